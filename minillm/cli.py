@@ -1,0 +1,110 @@
+"""``python -m minillm <command>``: generate, bench, doctor (and roofline, serve)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _add_model_args(p: argparse.ArgumentParser, default_model: str | None = "tiny") -> None:
+    p.add_argument("--model", default=default_model,
+                   help="a preset (tiny, cpu-small, llama-3.2-1b, llama-3.1-8b, qwen2.5-0.5b, qwen2.5-7b: "
+                        "shape twins with random weights), a checkpoint directory, or a hub id")
+    p.add_argument("--device", default=None, help="cuda, mps or cpu (default: the first available)")
+    p.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: bf16 on CUDA, fp16 on MPS, fp32 on CPU)")
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from .engine import LLM, RequestError
+    from .hardware import dtype_bytes
+    from .roofline import decode_step_bytes
+    from .sampling import SamplingParams
+    try:
+        params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k,
+                                top_p=a.top_p, seed=a.seed, stop=a.stop or [], ignore_eos=a.ignore_eos)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    llm = LLM(model=a.model, device=a.device, dtype=a.dtype, max_batch_size=1)
+    if llm.is_shape_twin:
+        print(f"[{a.model} is a shape twin: random weights, so the text is gibberish; the timings are real]",
+              file=sys.stderr)
+    try:
+        for delta in llm.stream(a.prompt, params):
+            print(delta, end="", flush=True)
+    except RequestError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print()
+    out = llm.last_output
+    m = out.metrics
+    cfg = llm.model.config
+    ctx = len(out.prompt_token_ids) + len(out.token_ids) // 2
+    step_bytes = decode_step_bytes(cfg, dtype_bytes(llm.dtype), 1, ctx)
+    lines = [f"model {a.model} ({llm.dtype}) on {llm.device} | prompt {m.prompt_tokens} tokens, "
+             f"output {m.output_tokens} tokens, finish: {out.finish_reason}",
+             f"TTFT {m.ttft_s * 1e3:.1f} ms"]
+    if m.tpot_s:
+        lines.append(f"TPOT {m.tpot_s * 1e3:.2f} ms → {1 / m.tpot_s:.1f} tok/s decode; achieved bandwidth "
+                     f"{step_bytes / m.tpot_s / 1e9:.2f} GB/s ({step_bytes / 1e6:.1f} MB read per step)")
+    lines.append(f"E2E {m.e2e_s * 1e3:.1f} ms → {m.output_tokens / m.e2e_s:.1f} tok/s overall")
+    print("\n".join(lines), file=sys.stderr)
+    return 0
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    from .bench import run_decode_benchmark
+    rep = run_decode_benchmark(model=a.model, device=a.device, dtype=a.dtype, prompt_tokens=a.prompt_tokens,
+                               new_tokens=a.new_tokens, repeats=a.repeats,
+                               compare_transformers=not a.no_transformers)
+    print(rep.table())
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(rep.to_dict(), indent=2))
+        print(f"wrote {a.json}")
+    return 0
+
+
+def cmd_doctor(a: argparse.Namespace) -> int:
+    from .doctor import main as doctor_main
+    return doctor_main([])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m minillm", description=__doc__)
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="stream one completion and print TTFT, TPOT, tok/s, bandwidth")
+    g.add_argument("prompt")
+    _add_model_args(g)
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.set_defaults(fn=cmd_generate)
+
+    b = sub.add_parser("bench", help="batch-1 decode tok/s and achieved bandwidth, minillm vs transformers")
+    _add_model_args(b, default_model="cpu-small")
+    b.add_argument("--prompt-tokens", type=int, default=32)
+    b.add_argument("--new-tokens", type=int, default=64)
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--no-transformers", action="store_true", help="skip the transformers side")
+    b.add_argument("--json", default=None, help="also write the report as JSON here")
+    b.set_defaults(fn=cmd_bench)
+
+    d = sub.add_parser("doctor", help="check dependencies, the torch build and the devices")
+    d.set_defaults(fn=cmd_doctor)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    return a.fn(a)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
