@@ -42,7 +42,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
     cfg = llm.model.config
     ctx = len(out.prompt_token_ids) + len(out.token_ids) // 2
     step_bytes = decode_step_bytes(cfg, dtype_bytes(llm.dtype), 1, ctx)
-    lines = [f"model {a.model} ({llm.dtype}) on {llm.device} | prompt {m.prompt_tokens} tokens, "
+    from .hardware import dtype_name
+    lines = [f"model {a.model} ({dtype_name(llm.dtype)}) on {llm.device} | prompt {m.prompt_tokens} tokens, "
              f"output {m.output_tokens} tokens, finish: {out.finish_reason}",
              f"TTFT {m.ttft_s * 1e3:.1f} ms"]
     if m.tpot_s:
@@ -63,6 +64,27 @@ def cmd_bench(a: argparse.Namespace) -> int:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps(rep.to_dict(), indent=2))
         print(f"wrote {a.json}")
+    return 0
+
+
+def cmd_roofline(a: argparse.Namespace) -> int:
+    import shlex
+    from .plots import save_roofline_figure
+    from .sweep import default_batches, load_result, parse_batches, run_sweep
+    try:
+        batches = parse_batches(a.batches) if a.batches else default_batches(a.max_batch)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    res = run_sweep(model=a.model, device=a.device, dtype=a.dtype, batches=batches, context=a.context,
+                    warmup=a.warmup, steps=a.steps, cuda_graphs=not a.no_cuda_graphs,
+                    command="python -m minillm " + " ".join(shlex.quote(x) for x in sys.argv[1:]))
+    print(res.table())
+    jp, cp = res.write(a.out)
+    refs = [load_result(p) for p in (a.reference or [])]
+    figs = save_roofline_figure(res.to_dict(), refs, out_dir=a.figures)
+    print(f"data: {jp}  {cp}")
+    print(f"figure: {'  '.join(map(str, figs))}")
     return 0
 
 
@@ -95,6 +117,19 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-transformers", action="store_true", help="skip the transformers side")
     b.add_argument("--json", default=None, help="also write the report as JSON here")
     b.set_defaults(fn=cmd_bench)
+
+    r = sub.add_parser("roofline", help="decode tok/s against batch size beside the bandwidth/compute bounds (10.3)")
+    _add_model_args(r, default_model=None)
+    r.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,2,4,8,16,32,48,64)")
+    r.add_argument("--max-batch", type=int, default=64, help="extend the default list up to this batch (e.g. 512)")
+    r.add_argument("--context", type=int, default=None, help="tokens cached per sequence (default 128 CPU, 512 GPU)")
+    r.add_argument("--warmup", type=int, default=3)
+    r.add_argument("--steps", type=int, default=10, help="timed decode steps per batch")
+    r.add_argument("--no-cuda-graphs", action="store_true")
+    r.add_argument("--out", default="runs", help="directory for the JSON and CSV")
+    r.add_argument("--figures", default=None, help="directory for the figure (default: the repo's figures/)")
+    r.add_argument("--reference", action="append", help="a reference run's JSON to overlay (repeatable)")
+    r.set_defaults(fn=cmd_roofline)
 
     d = sub.add_parser("doctor", help="check dependencies, the torch build and the devices")
     d.set_defaults(fn=cmd_doctor)

@@ -1,0 +1,131 @@
+"""``python -m minillm doctor``: is this machine ready for the notebooks?
+
+One line per check: [OK], [FAIL] (something the project needs is missing or broken) or [--]
+(optional and absent, e.g. no GPU). Exit status 1 if any check failed.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+from dataclasses import dataclass
+
+# (import name, distribution name, required?, what it is for)
+DEPENDENCIES = [
+    ("torch", "torch", True, "the engine"),
+    ("transformers", "transformers", True, "configs, tokenizers, the reference implementation"),
+    ("tokenizers", "tokenizers", True, "the default byte-level BPE tokenizer"),
+    ("safetensors", "safetensors", True, "checkpoint loading"),
+    ("numpy", "numpy", True, "metrics and percentiles"),
+    ("matplotlib", "matplotlib", True, "the chapter's figures"),
+    ("tqdm", "tqdm", True, "progress bars"),
+    ("fastapi", "fastapi", True, "the OpenAI-compatible server"),
+    ("uvicorn", "uvicorn", True, "the HTTP server"),
+    ("httpx", "httpx", True, "the notebooks' HTTP client"),
+    ("jupyterlab", "jupyterlab", True, "running the notebooks"),
+    ("ipywidgets", "ipywidgets", True, "the notebooks' calculators"),
+    ("pynvml", "nvidia-ml-py", True, "GPU name, memory and spec bandwidth (NVML)"),
+    ("openai", "openai", False, "the official client used in tests and notebook 01"),
+    ("pytest", "pytest", False, "running the tests"),
+]
+
+
+@dataclass
+class Check:
+    name: str
+    status: str          # "OK" | "FAIL" | "--"
+    detail: str
+
+    def line(self) -> str:
+        return f"[{self.status}] {self.name}: {self.detail}"
+
+
+def check_dependencies() -> list[Check]:
+    from importlib.metadata import PackageNotFoundError, version
+    out = []
+    for mod, dist, required, why in DEPENDENCIES:
+        try:
+            importlib.import_module(mod)
+        except Exception as e:       # a broken install raises more than ImportError
+            out.append(Check(dist, "FAIL" if required else "--",
+                             f"not importable ({type(e).__name__}: {e}); needed for {why}"))
+            continue
+        try:
+            v = version(dist)
+        except PackageNotFoundError:
+            v = "version unknown"
+        out.append(Check(dist, "OK", f"{v} ({why})"))
+    return out
+
+
+def check_torch_build() -> list[Check]:
+    try:
+        import torch
+    except Exception:
+        return []
+    cuda = torch.version.cuda
+    mps_built = bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_built())
+    build = f"torch {torch.__version__}, " + (f"CUDA {cuda} build" if cuda else "CPU-only build (no CUDA)")
+    build += ", MPS built" if mps_built else ""
+    return [Check("torch build", "OK", build)]
+
+
+def check_devices() -> list[Check]:
+    try:
+        import torch
+    except Exception:
+        return []
+    from . import hardware as hw
+    out = []
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            nv = hw.nvml_info(i)
+            if nv:
+                bw = hw.nvml_spec_bandwidth(nv)
+                detail = f"{nv['name']}, {nv['memory_bytes'] / 2**30:.1f} GiB (NVML)"
+                detail += f", spec bandwidth {bw / 1e12:.2f} TB/s" if bw else ""
+                detail += f", driver {nv['driver']}" if nv.get("driver") else ""
+                out.append(Check(f"cuda:{i}", "OK", detail))
+            else:
+                p = torch.cuda.get_device_properties(i)
+                out.append(Check(f"cuda:{i}", "OK", f"{p.name}, {p.total_memory / 2**30:.1f} GiB "
+                                                    f"(NVML unavailable: no spec bandwidth)"))
+    else:
+        out.append(Check("cuda", "--", "no CUDA GPU visible to torch"))
+    out.append(Check("mps", "OK", "Apple MPS available") if hw._mps_available()
+               else Check("mps", "--", "no Apple MPS device"))
+    mem = hw._host_total_bytes()
+    out.append(Check("cpu", "OK", f"{hw.cpu_model()}, {hw.cpu_cores()} cores usable, "
+                                  f"{torch.get_num_threads()} torch threads"
+                                  + (f", {mem / 2**30:.0f} GiB RAM" if mem else "")))
+    dev = hw.pick_device()
+    out.append(Check("default device", "OK", f"{dev} (picked cuda → mps → cpu), default dtype "
+                                             f"{hw.dtype_name(hw.default_dtype(dev))}"))
+    return out
+
+
+def check_default_assets() -> list[Check]:
+    try:
+        from .tokenizer import DEFAULT_TOKENIZER_DIR, load_tokenizer
+        tok = load_tokenizer(None)
+        ids = tok.encode("hello 你好")
+        assert tok.decode(ids) == "hello 你好"
+        return [Check("default tokenizer", "OK", f"{len(tok)} tokens, round-trips text ({DEFAULT_TOKENIZER_DIR.name})")]
+    except Exception as e:
+        return [Check("default tokenizer", "FAIL", f"{type(e).__name__}: {e}")]
+
+
+def run_checks() -> list[Check]:
+    return check_dependencies() + check_torch_build() + check_devices() + check_default_assets()
+
+
+def main(argv: list[str] | None = None) -> int:
+    checks = run_checks()
+    for c in checks:
+        print(c.line())
+    failed = [c for c in checks if c.status == "FAIL"]
+    print(f"\n{len(failed)} check(s) failed" if failed else "\nall required checks passed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,28 @@
+"""One helper through which every chapter figure is saved (design.md §5): PNG + SVG in
+``figures/``, named like ``10-3-decode-roofline``, stamped with what it was measured on."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+FIGURES_DIR = Path(__file__).resolve().parent.parent / "figures"
+
+
+def figures_dir(out_dir: str | Path | None = None) -> Path:
+    d = Path(out_dir or os.environ.get("MINILLM_FIGURES_DIR") or FIGURES_DIR)
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def save_figure(fig, name: str, stamp: str, out_dir: str | Path | None = None) -> list[Path]:
+    """Stamp ``fig`` (bottom-left, small grey text: hardware, model, dtype, date) and save
+    ``name.png`` and ``name.svg``. Returns the two paths."""
+    if not name or "/" in name or name.endswith((".png", ".svg")):
+        raise ValueError(f"figure name must be a bare slug like '10-3-decode-roofline', got {name!r}")
+    fig.text(0.005, 0.005, stamp, fontsize=6, color="0.45", ha="left", va="bottom")
+    d = figures_dir(out_dir)
+    paths = [d / f"{name}.png", d / f"{name}.svg"]
+    fig.savefig(paths[0], dpi=150, bbox_inches="tight")
+    # SVGs stay diffable: no random ids or dates inside
+    fig.savefig(paths[1], bbox_inches="tight", metadata={"Date": None})
+    return paths

@@ -1,0 +1,431 @@
+"""What machine is this, and what are its ceilings? (chapter 10.3)
+
+Two kinds of ceiling, always labelled:
+- **spec**: the vendor's number (a table keyed by GPU name, or NVML's memory clock × bus width);
+- **measured**: what this machine actually does right now — a large device copy (bytes read +
+  written) and a large matmul in the model's dtype. The roofline is drawn against the measured
+  ceilings, because "% of a datasheet number" mixes our code's efficiency with the hardware's.
+
+Everything here works on CUDA, Apple MPS and CPU; nothing needs a GPU to import.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+# ----------------------------------------------------------------------------- devices and dtypes
+
+def pick_device(device: str | torch.device | None = None) -> torch.device:
+    """cuda → mps → cpu unless one is given (design.md §6). A device that is asked for but
+    absent is an error, not a silent fallback: a learner must know what they measured."""
+    if isinstance(device, torch.device):
+        device = str(device)
+    if device is None or device == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if _mps_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {device!r}: use cpu, cuda, cuda:N, mps or auto") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} was asked for, but this torch build sees no CUDA GPU "
+                             f"(torch {torch.__version__}, CUDA build: {torch.version.cuda})")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) found")
+    elif dev.type == "mps" and not _mps_available():
+        raise ValueError(f"device {device!r} was asked for, but MPS is not available here")
+    elif dev.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"unsupported device type {dev.type!r}: use cpu, cuda or mps")
+    return dev
+
+
+def _mps_available() -> bool:
+    return bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait until the device has finished its queued work (so a clock read means 'done')."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    elif dev.type == "mps":
+        torch.mps.synchronize()
+
+
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+           "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+           "fp32": torch.float32, "float32": torch.float32, "float": torch.float32}
+_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _NAMES:
+            raise ValueError(f"unsupported dtype {dtype}: use bf16, fp16 or fp32")
+        return dtype
+    key = str(dtype).lower().removeprefix("torch.")
+    if key not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}: use bf16, fp16 or fp32")
+    return _DTYPES[key]
+
+
+def dtype_name(dtype: str | torch.dtype) -> str:
+    return _NAMES[parse_dtype(dtype)]
+
+
+def dtype_bytes(dtype: str | torch.dtype) -> int:
+    return torch.empty((), dtype=parse_dtype(dtype)).element_size()
+
+
+def default_dtype(device: torch.device | str) -> torch.dtype:
+    """bf16 on GPUs that have it (the dtype models are served in), fp16 on older GPUs and MPS,
+    fp32 on a CPU (CPU kernels for half types are often slower than fp32, which would
+    misrepresent the bandwidth story)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if dev.type == "mps":
+        return torch.float16
+    return torch.float32
+
+
+def free_memory_bytes(device: torch.device | str) -> int:
+    """Memory the KV cache may grow into (the caller applies a safety fraction)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(dev)
+        return int(free)
+    if dev.type == "mps":
+        return int(torch.mps.recommended_max_memory() - torch.mps.driver_allocated_memory())
+    return _host_available_bytes()
+
+
+def _host_available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 8 * 2**30  # macOS has no SC_AVPHYS_PAGES; assume a laptop's worth
+
+
+def _host_total_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+# ----------------------------------------------------------------------------- the spec table
+
+@dataclass(frozen=True)
+class GPUSpec:
+    name: str
+    bandwidth: float               # bytes/s, vendor spec
+    flops: dict                    # dense (no sparsity) FLOP/s by dtype name; fp32 = non-tensor FP32
+    source: str
+
+
+T, G = 1e12, 1e9
+# Dense figures: NVIDIA quotes tensor FLOP/s "with sparsity" for Ampere and later; we halve those.
+# GeForce cards: the FP16/BF16 tensor figure *with FP32 accumulate* (what PyTorch matmuls use).
+GPU_SPECS: list[tuple[tuple[str, ...], GPUSpec]] = [
+    # NVIDIA H200 datasheet (nvidia.com/en-us/data-center/h200): 4.8 TB/s, BF16 1,979 TF sparse, FP32 67 TF
+    (("H200",), GPUSpec("H200 SXM 141GB", 4.8 * T, {"bf16": 989.5 * T, "fp16": 989.5 * T, "fp32": 67 * T},
+                        "NVIDIA H200 datasheet")),
+    # NVIDIA H100 datasheet (nvidia.com/en-us/data-center/h100): SXM 3.35 TB/s, BF16 1,979 TF sparse, FP32 67 TF;
+    # PCIe 2 TB/s, 1,513 TF sparse, FP32 51 TF; NVL 3.9 TB/s, 1,671 TF sparse, FP32 60 TF
+    (("H100", "NVL"), GPUSpec("H100 NVL 94GB", 3.9 * T, {"bf16": 835.5 * T, "fp16": 835.5 * T, "fp32": 60 * T},
+                              "NVIDIA H100 datasheet")),
+    (("H100", "PCIE"), GPUSpec("H100 PCIe 80GB", 2.0 * T, {"bf16": 756.5 * T, "fp16": 756.5 * T, "fp32": 51 * T},
+                               "NVIDIA H100 datasheet")),
+    (("H100",), GPUSpec("H100 SXM 80GB", 3.35 * T, {"bf16": 989.5 * T, "fp16": 989.5 * T, "fp32": 67 * T},
+                        "NVIDIA H100 datasheet")),
+    # NVIDIA A100 datasheet (nvidia.com/en-us/data-center/a100): 80GB SXM 2,039 GB/s, 80GB PCIe 1,935 GB/s,
+    # 40GB 1,555 GB/s; BF16/FP16 tensor 312 TF dense; FP32 19.5 TF
+    (("A100", "40GB"), GPUSpec("A100 40GB", 1555 * G, {"bf16": 312 * T, "fp16": 312 * T, "fp32": 19.5 * T},
+                               "NVIDIA A100 datasheet")),
+    (("A100", "PCIE"), GPUSpec("A100 PCIe 80GB", 1935 * G, {"bf16": 312 * T, "fp16": 312 * T, "fp32": 19.5 * T},
+                               "NVIDIA A100 datasheet")),
+    (("A100",), GPUSpec("A100 SXM 80GB", 2039 * G, {"bf16": 312 * T, "fp16": 312 * T, "fp32": 19.5 * T},
+                        "NVIDIA A100 datasheet")),
+    # NVIDIA L40S datasheet: 864 GB/s, BF16 733 TF sparse, FP32 91.6 TF
+    (("L40S",), GPUSpec("L40S", 864 * G, {"bf16": 366.5 * T, "fp16": 366.5 * T, "fp32": 91.6 * T},
+                        "NVIDIA L40S datasheet")),
+    # NVIDIA L4 datasheet: 300 GB/s, BF16 242 TF sparse, FP32 30.3 TF
+    (("L4",), GPUSpec("L4", 300 * G, {"bf16": 121 * T, "fp16": 121 * T, "fp32": 30.3 * T},
+                      "NVIDIA L4 datasheet")),
+    # NVIDIA A10 datasheet: 600 GB/s, BF16 250 TF sparse, FP32 31.2 TF
+    (("A10",), GPUSpec("A10", 600 * G, {"bf16": 125 * T, "fp16": 125 * T, "fp32": 31.2 * T},
+                       "NVIDIA A10 datasheet")),
+    # NVIDIA T4 datasheet: 320 GB/s, FP16 mixed precision 65 TF, FP32 8.1 TF; no bf16 tensor cores
+    (("T4",), GPUSpec("T4", 320 * G, {"fp16": 65 * T, "fp32": 8.1 * T}, "NVIDIA T4 datasheet")),
+    # NVIDIA V100 datasheet (SXM2): 900 GB/s, tensor 125 TF, FP32 15.7 TF
+    (("V100",), GPUSpec("V100 SXM2", 900 * G, {"fp16": 125 * T, "fp32": 15.7 * T}, "NVIDIA V100 datasheet")),
+    # NVIDIA Ada whitepaper (RTX 4090): 1,008 GB/s, FP16/BF16 tensor with FP32 accumulate 165.2 TF, FP32 82.6 TF
+    (("4090",), GPUSpec("GeForce RTX 4090", 1008 * G, {"bf16": 165.2 * T, "fp16": 165.2 * T, "fp32": 82.6 * T},
+                        "NVIDIA Ada Lovelace architecture whitepaper")),
+    # NVIDIA Ampere GA102 whitepaper (RTX 3090): 936 GB/s, FP16 tensor with FP32 accumulate 71 TF, FP32 35.6 TF
+    (("3090",), GPUSpec("GeForce RTX 3090", 936 * G, {"bf16": 71 * T, "fp16": 71 * T, "fp32": 35.6 * T},
+                        "NVIDIA Ampere GA102 whitepaper")),
+    # NVIDIA Blackwell (GeForce RTX 5090) whitepaper: 1,792 GB/s, FP16/BF16 tensor FP32-accumulate 209.5 TF,
+    # FP32 104.8 TF
+    (("5090",), GPUSpec("GeForce RTX 5090", 1792 * G, {"bf16": 209.5 * T, "fp16": 209.5 * T, "fp32": 104.8 * T},
+                        "NVIDIA RTX Blackwell GPU architecture whitepaper")),
+    # NVIDIA RTX A6000 datasheet: 768 GB/s, tensor 309.7 TF sparse, FP32 38.7 TF
+    (("A6000",), GPUSpec("RTX A6000", 768 * G, {"bf16": 154.8 * T, "fp16": 154.8 * T, "fp32": 38.7 * T},
+                         "NVIDIA RTX A6000 datasheet")),
+]
+
+
+def lookup_gpu_spec(name: str) -> GPUSpec | None:
+    """Match an NVML / torch device name ("NVIDIA H100 80GB HBM3", "Tesla T4") to the table.
+    Rows are ordered most-specific first; every key word of a row must occur in the name."""
+    up = name.upper().replace("-", " ")
+    words = set(up.split())
+    for keys, spec in GPU_SPECS:
+        # short keys (L4, A10, T4) must be whole words, or "L40S" would match "L4"
+        if all((k in words) if len(k) <= 3 else (k in up) for k in keys):
+            return spec
+    return None
+
+
+# ----------------------------------------------------------------------------- NVML and the CPU
+
+def nvml_info(device: torch.device | str | int = 0) -> dict | None:
+    """Name, memory, memory clock and bus width from NVML (the nvidia-ml-py package), or None
+    when NVML is not there (no NVIDIA driver, or a non-NVIDIA machine)."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except Exception:
+        return None
+    try:
+        handle = _nvml_handle(pynvml, device)
+        name = pynvml.nvmlDeviceGetName(handle)
+        name = name.decode() if isinstance(name, bytes) else name
+        info = {"name": name, "memory_bytes": int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)}
+        try:
+            info["mem_clock_mhz"] = int(pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_MEM))
+            info["bus_width_bits"] = int(pynvml.nvmlDeviceGetMemoryBusWidth(handle))
+        except Exception:
+            pass
+        try:
+            drv = pynvml.nvmlSystemGetDriverVersion()
+            info["driver"] = drv.decode() if isinstance(drv, bytes) else drv
+        except Exception:
+            pass
+        return info
+    except Exception:
+        return None
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
+def _nvml_handle(pynvml, device):
+    """NVML numbers GPUs physically; torch numbers what CUDA_VISIBLE_DEVICES shows. Match by UUID."""
+    index = device if isinstance(device, int) else (torch.device(device).index or 0)
+    if torch.cuda.is_available():
+        uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+        if uuid is not None:
+            try:
+                return pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
+            except Exception:
+                pass
+    return pynvml.nvmlDeviceGetHandleByIndex(index)
+
+
+def nvml_spec_bandwidth(info: dict | None) -> float | None:
+    """Spec bandwidth = memory clock × 2 (double data rate) × bus width / 8, in bytes/s.
+    NVML reports the memory clock at half the effective data rate for both HBM and GDDR
+    (e.g. an A100 80GB: 1593 MHz × 2 × 5120 bit / 8 = 2.04 TB/s, its datasheet's 2,039 GB/s)."""
+    if not info or not info.get("mem_clock_mhz") or not info.get("bus_width_bits"):
+        return None
+    return info["mem_clock_mhz"] * 1e6 * 2 * info["bus_width_bits"] / 8
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith(("model name", "hardware", "cpu model")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    if platform.system() == "Darwin":
+        try:
+            return subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True,
+                                  text=True, timeout=5).stdout.strip() or platform.processor()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def cpu_cores() -> int:
+    """Cores this process may use (a container's or taskset's limit, not the host's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+# ----------------------------------------------------------------------------- what machine is this
+
+@dataclass
+class HardwareInfo:
+    device: str                             # "cuda:0", "mps", "cpu"
+    kind: str                               # cuda | mps | cpu
+    name: str                               # GPU name, "Apple MPS" or the CPU model
+    memory_bytes: int | None
+    cpu_model: str
+    cpu_cores: int
+    torch_threads: int
+    spec_bandwidth: float | None = None     # bytes/s
+    spec_bandwidth_source: str | None = None
+    spec_flops: dict | None = None          # FLOP/s by dtype name
+    spec_source: str | None = None
+    nvml: dict | None = None
+    extra: dict = field(default_factory=dict)
+
+    def summary(self) -> str:
+        mem = f"{self.memory_bytes / 2**30:.0f} GiB" if self.memory_bytes else "memory unknown"
+        if self.kind == "cpu":
+            return f"CPU {self.cpu_model} ({self.cpu_cores} cores, {self.torch_threads} torch threads, {mem})"
+        bw = (f", spec {self.spec_bandwidth / 1e12:.2f} TB/s ({self.spec_bandwidth_source})"
+              if self.spec_bandwidth else ", no spec bandwidth known")
+        return f"{self.name} ({mem}{bw})"
+
+
+def describe_hardware(device: torch.device | str | None = None) -> HardwareInfo:
+    dev = pick_device(device)
+    common = dict(cpu_model=cpu_model(), cpu_cores=cpu_cores(), torch_threads=torch.get_num_threads())
+    if dev.type == "cuda":
+        props = torch.cuda.get_device_properties(dev)
+        nv = nvml_info(dev)
+        name = (nv or {}).get("name") or props.name
+        spec = lookup_gpu_spec(name)
+        nv_bw = nvml_spec_bandwidth(nv)
+        bw, bw_src = (nv_bw, "NVML memory clock x bus width") if nv_bw else (
+            (spec.bandwidth, spec.source) if spec else (None, None))
+        return HardwareInfo(str(dev), "cuda", name, int(props.total_memory), **common,
+                            spec_bandwidth=bw, spec_bandwidth_source=bw_src,
+                            spec_flops=dict(spec.flops) if spec else None,
+                            spec_source=spec.source if spec else None, nvml=nv,
+                            extra={"compute_capability": f"{props.major}.{props.minor}",
+                                   "cuda": torch.version.cuda, "table_bandwidth": spec.bandwidth if spec else None})
+    if dev.type == "mps":
+        # Apple publishes bandwidth per chip (M1 68 GB/s … M2 Ultra 800 GB/s), but torch does not say
+        # which chip this is: the measured ceilings are what we use.
+        return HardwareInfo("mps", "mps", f"Apple MPS ({common['cpu_model']})", _host_total_bytes(), **common)
+    return HardwareInfo("cpu", "cpu", common["cpu_model"], _host_total_bytes(), **common)
+
+
+# ----------------------------------------------------------------------------- measured ceilings
+
+@dataclass
+class Measurement:
+    value: float                 # the median of the samples
+    unit: str                    # "B/s" or "FLOP/s"
+    samples: list[float]
+    params: dict
+    method: str
+
+    def __str__(self) -> str:
+        scale, prefix = (1e12, "T") if self.value >= 1e12 else (1e9, "G")
+        return f"{self.value / scale:.2f} {prefix}{self.unit} (median of {len(self.samples)}; {self.method})"
+
+
+def _time_s(fn, device: torch.device) -> float:
+    """Wall time of fn() with the device drained before and after."""
+    synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - t0
+
+
+def default_copy_bytes(device: torch.device) -> int:
+    """Well past the last-level cache (a server CPU's L3 can exceed 100 MB; an H100's L2 is 50 MB)."""
+    if device.type == "cuda":
+        return min(2 * 2**30, free_memory_bytes(device) // 4)
+    if device.type == "mps":
+        return 512 * 2**20
+    return min(512 * 2**20, _host_available_bytes() // 8)
+
+
+def measure_copy_bandwidth(device: torch.device | str | None = None, nbytes: int | None = None,
+                           repeats: int = 10, warmup: int = 2) -> Measurement:
+    """Copy a large buffer into another and count bytes read + written (2 × size) per copy.
+    The median of ``repeats`` copies, after ``warmup`` untimed ones (first-touch page faults)."""
+    dev = pick_device(device)
+    nbytes = int(nbytes or default_copy_bytes(dev))
+    if nbytes < 2**20:
+        raise ValueError(f"a copy of {nbytes} bytes measures the cache, not memory: use at least 1 MiB")
+    n = nbytes // 4
+    src = torch.ones(n, dtype=torch.float32, device=dev)                   # [n]
+    dst = torch.empty_like(src)                                             # [n]
+    for _ in range(warmup):
+        dst.copy_(src)
+    samples = [2 * n * 4 / _time_s(lambda: dst.copy_(src), dev) for _ in range(repeats)]
+    del src, dst
+    return Measurement(statistics.median(samples), "B/s", samples,
+                       {"bytes": n * 4, "repeats": repeats, "warmup": warmup, "device": str(dev)},
+                       "tensor copy, bytes read + written")
+
+
+def measure_matmul_peak(device: torch.device | str | None = None, dtype: str | torch.dtype = "fp32",
+                        n: int | None = None, repeats: int = 10, warmup: int = 2) -> Measurement:
+    """FLOP/s of an n×n×n matmul (2n³ FLOPs) in the model's dtype: the compute roof we can reach."""
+    dev = pick_device(device)
+    dt = parse_dtype(dtype)
+    n = int(n or (8192 if dev.type == "cuda" else 4096 if dev.type == "mps" else 1024))
+    a = torch.randn(n, n, device=dev).to(dt)                                # [n, n]
+    b = torch.randn(n, n, device=dev).to(dt)                                # [n, n]
+    for _ in range(warmup):
+        a @ b
+    samples = [2 * n**3 / _time_s(lambda: a @ b, dev) for _ in range(repeats)]
+    del a, b
+    return Measurement(statistics.median(samples), "FLOP/s", samples,
+                       {"n": n, "dtype": dtype_name(dt), "repeats": repeats, "warmup": warmup, "device": str(dev)},
+                       f"{n}x{n} matmul in {dtype_name(dt)}")
+
+
+def ceilings(device: torch.device | str | None = None, dtype: str | torch.dtype | None = None,
+             measure: bool = True, copy_bytes: int | None = None, matmul_n: int | None = None) -> dict:
+    """Spec and measured bandwidth and peak side by side, plus which one the roofline uses:
+    the measured ones, or the spec where nothing was measured; 'unknown' when neither exists."""
+    dev = pick_device(device)
+    dt = parse_dtype(dtype) if dtype is not None else default_dtype(dev)
+    hw = describe_hardware(dev)
+    out = {"device": str(dev), "dtype": dtype_name(dt), "hardware": hw.summary(),
+           "spec_bandwidth": hw.spec_bandwidth, "spec_flops": (hw.spec_flops or {}).get(dtype_name(dt))}
+    if measure:
+        bw = measure_copy_bandwidth(dev, copy_bytes)
+        pk = measure_matmul_peak(dev, dt, matmul_n)
+        out.update(measured_bandwidth=bw.value, measured_flops=pk.value,
+                   bandwidth=bw.value, peak_flops=pk.value, source="measured")
+    else:
+        out.update(bandwidth=out["spec_bandwidth"], peak_flops=out["spec_flops"],
+                   source="spec" if out["spec_bandwidth"] and out["spec_flops"] else "unknown")
+    return out

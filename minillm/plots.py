@@ -1,0 +1,93 @@
+"""The chapter 10.3 figure, drawn from sweep *data* (a SweepResult dict or its JSON file), so a
+lecturer's reference run and a learner's live run go on the same axes."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from . import roofline as rf
+from .config import ModelConfig
+
+
+def _ok(res: dict) -> list[dict]:
+    return [b for b in res["batches"] if b["status"] == "ok"]
+
+
+def _label(res: dict) -> str:
+    hw = res.get("hardware", {})
+    name = hw.get("name") or res.get("device")
+    return f"{res['model']} {res['dtype']} on {name}"
+
+
+def plot_roofline(result: dict, references: list[dict] | None = None, ax=None):
+    """x: batch (log2), y: tok/s (log). Measured per-request and aggregate tok/s, the
+    bandwidth ÷ model-size bound and its KV-corrected form, the compute roof, B* and the knee."""
+    import matplotlib.pyplot as plt
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(7.5, 5))
+    fig = ax.figure
+    cfg = ModelConfig(**result["config"])
+    nbytes = {"bf16": 2, "fp16": 2, "fp32": 4}[result["dtype"]]
+    bw, peak, L = result["ceilings"]["bandwidth"], result["ceilings"]["peak_flops"], result["context"]
+    ok = _ok(result)
+    xs = [b["batch"] for b in result["batches"]]
+    grid = sorted(set(xs) | {2 ** i for i in range(0, int(math.log2(max(xs))) + 1)})
+
+    # the bounds, from the measured ceilings of this run
+    flat = bw / rf.weight_bytes(cfg, nbytes)
+    ax.plot(grid, [flat * b for b in grid], ":", color="tab:gray",
+            label=f"B × BW/model bytes (batch 1: {flat:.1f} tok/s)")
+    ax.plot(grid, [b * bw / rf.decode_step_bytes(cfg, nbytes, b, L) for b in grid], "--", color="tab:gray",
+            label=f"bandwidth bound with KV (L={L})")
+    compute = [peak / (rf.decode_step_flops(cfg, b, L) / b) for b in grid]
+    ax.plot(grid, compute, "-.", color="tab:red", alpha=0.7, label="compute roof (peak / FLOPs per token)")
+
+    for ref in references or []:
+        rok = _ok(ref)
+        ax.plot([b["batch"] for b in rok], [b["aggregate_tok_s"] for b in rok], "s-", color="tab:purple",
+                alpha=0.5, ms=4, label=f"reference: {_label(ref)} (aggregate)")
+    ax.plot([b["batch"] for b in ok], [b["aggregate_tok_s"] for b in ok], "o-", color="tab:blue",
+            label="measured aggregate tok/s")
+    ax.plot([b["batch"] for b in ok], [b["per_request_tok_s"] for b in ok], "o-", color="tab:orange",
+            label="measured per-request tok/s")
+    for b in result["batches"]:
+        if b["status"] != "ok":
+            ax.annotate(b["status"][:12], (b["batch"], flat), fontsize=7, color="tab:red", rotation=90)
+
+    bstar = result.get("predicted_crossover")
+    if bstar and math.isfinite(bstar):
+        ax.axvline(bstar, color="tab:red", lw=0.8, alpha=0.6)
+        ax.annotate(f"B* = {bstar:.0f}", (bstar, ax.get_ylim()[0]), fontsize=8, color="tab:red",
+                    xytext=(3, 5), textcoords="offset points")
+    knee = result.get("measured_knee")
+    if knee:
+        ax.axvline(knee, color="tab:blue", lw=0.8, ls="--", alpha=0.6)
+        ax.annotate(f"measured knee ≈ {knee:.0f}", (knee, ax.get_ylim()[1]), fontsize=8, color="tab:blue",
+                    xytext=(3, -12), textcoords="offset points")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("batch size (concurrent decoding requests)")
+    ax.set_ylabel("tokens / s")
+    ax.set_title(f"Decode roofline: {_label(result)}\n(context {L}, ceilings {result['ceilings']['source']}: "
+                 f"{bw / 1e9:.0f} GB/s, {peak / 1e12:.2f} TFLOP/s)", fontsize=10)
+    ax.grid(True, which="both", alpha=0.25)
+    ax.legend(fontsize=7, loc="upper left")
+    return fig
+
+
+def stamp_of(result: dict) -> str:
+    hw = result.get("hardware", {})
+    return (f"measured {result.get('started', '')} on {hw.get('summary') or hw.get('name') or result['device']}; "
+            f"model {result['model']} {result['dtype']}; torch {result['torch_version']}; {result.get('command', '')}")
+
+
+def save_roofline_figure(result: dict, references: list[dict] | None = None,
+                         out_dir: str | Path | None = None, name: str = "10-3-decode-roofline") -> list[Path]:
+    import matplotlib
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+    from .figures import save_figure
+    fig = plot_roofline(result, references)
+    paths = save_figure(fig, name, stamp_of(result), out_dir)
+    plt.close(fig)
+    return paths

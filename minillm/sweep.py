@@ -1,0 +1,318 @@
+"""The live roofline measurement (chapter 10.3): decode tok/s against batch size.
+
+For each batch size B we put B requests in the running batch at a fixed context length L,
+warm up, then time N decode steps twice:
+- ``forward``: the model's forward pass alone (the part the roofline describes);
+- ``engine``: the whole ``LLMEngine.step()`` — scheduling, sampling, detokenizing, traces
+  (the difference is chapter 10.5's "time outside the accelerator").
+Step times are synchronised device times (we wait for the device before reading the clock).
+"""
+from __future__ import annotations
+
+import json
+import math
+import platform
+import socket
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from . import roofline as rf
+from .config import PRESETS
+from .hardware import (describe_hardware, dtype_bytes, dtype_name, free_memory_bytes,
+                       measure_copy_bandwidth, measure_matmul_peak, synchronize)
+from .sampling import SamplingParams
+from .sequence import Sequence, Status
+from .trace import Trace
+
+DEFAULT_BATCHES = [1, 2, 4, 8, 16, 32, 48, 64]
+
+
+def default_batches(max_batch: int = 64) -> list[int]:
+    """1, 2, 4, … 64 as in the chapter; beyond 64 continue in powers of two up to max_batch."""
+    out = [b for b in DEFAULT_BATCHES if b <= max_batch]
+    b = 128
+    while b <= max_batch:
+        out.append(b)
+        b *= 2
+    if max_batch not in out:
+        out.append(max_batch)
+    return sorted(set(out))
+
+
+def parse_batches(text: str) -> list[int]:
+    try:
+        vals = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise ValueError(f"--batches must be comma-separated integers like 1,2,4,8, got {text!r}") from None
+    if not vals or vals[0] < 1:
+        raise ValueError(f"batch sizes must be ≥ 1, got {text!r}")
+    return vals
+
+
+def default_model_for(device: torch.device) -> str:
+    """CPU: cpu-small. A big GPU: the llama-3.1-8b twin. A smaller GPU: the largest twin whose
+    bf16 weights take at most 60 % of its memory (room for the KV cache of batch 64)."""
+    if device.type == "cpu":
+        return "cpu-small"
+    mem = free_memory_bytes(device)
+    for name in ("llama-3.1-8b", "qwen2.5-7b", "llama-3.2-1b", "qwen2.5-0.5b"):
+        if PRESETS[name].num_params * 2 <= 0.6 * mem:
+            return name
+    return "cpu-small"
+
+
+@dataclass
+class BatchResult:
+    batch: int
+    status: str                               # "ok" | "oom" | "error: ..."
+    context: int
+    forward_ms: list[float] = field(default_factory=list)   # every sample
+    engine_ms: list[float] = field(default_factory=list)
+    forward_ms_median: float | None = None
+    engine_ms_median: float | None = None
+    forward_ms_p10: float | None = None
+    forward_ms_p90: float | None = None
+    per_request_tok_s: float | None = None    # 1 / forward step time
+    aggregate_tok_s: float | None = None      # B / forward step time
+    engine_aggregate_tok_s: float | None = None
+    bytes_per_step: int | None = None
+    flops_per_step: int | None = None
+    achieved_bw: float | None = None          # bytes/s
+    achieved_flops: float | None = None       # FLOP/s
+    mbu: float | None = None                  # achieved_bw / measured copy bandwidth
+    mfu: float | None = None                  # achieved_flops / measured matmul peak
+    bound_tok_s: float | None = None          # aggregate bound at this batch (measured ceilings)
+    pct_of_bound: float | None = None
+
+
+@dataclass
+class SweepResult:
+    model: str
+    dtype: str
+    device: str
+    hardware: dict
+    host: str
+    torch_version: str
+    python: str
+    command: str
+    context: int
+    warmup: int
+    steps: int
+    cuda_graphs: bool
+    ceilings: dict                            # measured + spec: bandwidth (B/s), peak (FLOP/s)
+    model_bytes: int
+    config: dict
+    predicted_crossover: float                # B* (no KV)
+    predicted_crossover_kv: float             # B* with KV at this context
+    measured_knee: float | None
+    batches: list[BatchResult]
+    started: str = ""
+    duration_s: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def write(self, out_dir: str | Path, stem: str | None = None) -> tuple[Path, Path]:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        stem = stem or f"roofline-{self.model}-{self.dtype}-{self.device.split(':')[0]}"
+        jp, cp = out / f"{stem}.json", out / f"{stem}.csv"
+        jp.write_text(json.dumps(self.to_dict(), indent=1, default=_json_default))
+        cols = ["batch", "status", "context", "forward_ms_median", "engine_ms_median", "per_request_tok_s",
+                "aggregate_tok_s", "engine_aggregate_tok_s", "achieved_bw", "mbu", "mfu", "bound_tok_s", "pct_of_bound"]
+        lines = [",".join(cols)] + [",".join("" if getattr(b, c) is None else str(getattr(b, c)) for c in cols)
+                                    for b in self.batches]
+        cp.write_text("\n".join(lines) + "\n")
+        return jp, cp
+
+    def table(self) -> str:
+        hdr = f"{'batch':>5} {'step ms':>9} {'engine ms':>10} {'tok/s/req':>10} {'tok/s agg':>10} {'% bound':>8} {'MBU':>6} {'MFU':>6}"
+        rows = [hdr]
+        for b in self.batches:
+            if b.status != "ok":
+                rows.append(f"{b.batch:>5} {b.status}")
+                continue
+            rows.append(f"{b.batch:>5} {b.forward_ms_median:>9.2f} {b.engine_ms_median:>10.2f} "
+                        f"{b.per_request_tok_s:>10.1f} {b.aggregate_tok_s:>10.1f} {100 * b.pct_of_bound:>7.0f}% "
+                        f"{100 * b.mbu:>5.0f}% {100 * b.mfu:>5.1f}%")
+        knee = "none in range" if self.measured_knee is None else f"{self.measured_knee:.1f}"
+        rows.append(f"predicted crossover B* = {self.predicted_crossover:.1f} (KV-aware at L={self.context}: "
+                    f"{self.predicted_crossover_kv:.1f}); measured knee: {knee}")
+        return "\n".join(rows)
+
+
+def _json_default(o):
+    if isinstance(o, float) and not math.isfinite(o):
+        return str(o)
+    return str(o)
+
+
+def load_result(path: str | Path) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+# ---------------------------------------------------------------------------- timing
+def _time_steps(fn: Callable[[], object], device: torch.device, warmup: int, steps: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    samples = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return samples
+
+
+def fill_running_batch(engine, batch: int, context: int) -> list[Sequence]:
+    """Put ``batch`` requests in the running batch as if each had ``context`` tokens cached.
+    The KV values are whatever the cache holds (zeros): decode speed depends on shapes, not
+    values, so skipping B real prefills keeps the sweep at seconds instead of minutes."""
+    seqs = []
+    params = SamplingParams(max_tokens=10**9, temperature=0, ignore_eos=True)
+    for i in range(batch):
+        rid = f"sweep-{batch}-{i}"
+        seq = Sequence(rid, None, [1] * context, params, Trace(rid))
+        from .tokenizer import IncrementalDetokenizer
+        seq.detok = IncrementalDetokenizer(engine.tokenizer)
+        seq.slot = engine.cache.allocate(rid)
+        seq.status = Status.RUNNING
+        seq.output_ids = [1]                      # the "last sampled" token: next step decodes it
+        engine._seqs[rid] = seq
+        engine.scheduler.running.append(seq)
+        seqs.append(seq)
+    return seqs
+
+
+def _forward_fn(engine, seqs: list[Sequence], use_graphs: bool):
+    from .model import build_attn_meta
+    model, dev = engine.model, engine.device
+    slots = [s.slot for s in seqs]
+    meta = build_attn_meta(slots, [s.num_cached for s in seqs], [1] * len(seqs), engine.cache.scratch_pos, dev)
+    tokens = torch.ones(len(seqs), 1, dtype=torch.long, device=dev)              # [B, 1]
+    if use_graphs and dev.type == "cuda":
+        from .cuda_graphs import capture_decode
+        return capture_decode(model, engine.cache, tokens, meta)
+    return lambda: model(tokens, engine.cache, meta)
+
+
+@torch.inference_mode()
+def measure_batch(engine, batch: int, context: int, warmup: int, steps: int, use_graphs: bool) -> BatchResult:
+    seqs = fill_running_batch(engine, batch, context)
+    try:
+        fwd = _time_steps(_forward_fn(engine, seqs, use_graphs), engine.device, warmup, steps)
+        eng = _time_steps(engine.step, engine.device, 1, steps)
+    finally:
+        for s in seqs:
+            engine.abort(s.request_id)
+            engine._seqs.pop(s.request_id, None)
+    return BatchResult(batch, "ok", context, forward_ms=fwd, engine_ms=eng)
+
+
+def _fill_derived(r: BatchResult, cfg, nbytes: int, bw: float, peak: float) -> None:
+    r.forward_ms_median = statistics.median(r.forward_ms)
+    r.engine_ms_median = statistics.median(r.engine_ms)
+    q = statistics.quantiles(r.forward_ms, n=10, method="inclusive") if len(r.forward_ms) > 1 else [r.forward_ms[0]] * 9
+    r.forward_ms_p10, r.forward_ms_p90 = q[0], q[-1]
+    step_s = r.forward_ms_median / 1e3
+    r.per_request_tok_s = 1 / step_s
+    r.aggregate_tok_s = r.batch / step_s
+    r.engine_aggregate_tok_s = r.batch / (r.engine_ms_median / 1e3)
+    r.bytes_per_step = rf.decode_step_bytes(cfg, nbytes, r.batch, r.context)
+    r.flops_per_step = rf.decode_step_flops(cfg, r.batch, r.context)
+    r.achieved_bw, r.achieved_flops = r.bytes_per_step / step_s, r.flops_per_step / step_s
+    r.mbu, r.mfu = r.achieved_bw / bw, r.achieved_flops / peak
+    r.bound_tok_s = rf.aggregate_bound(cfg, nbytes, r.batch, r.context, bw, peak)
+    r.pct_of_bound = r.aggregate_tok_s / r.bound_tok_s
+
+
+def _is_oom(e: BaseException) -> bool:
+    return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "out of memory" in str(e).lower()
+
+
+def run_sweep(model: str | None = None, device: str | None = None, dtype: str | None = None,
+              batches: list[int] | None = None, context: int | None = None, warmup: int = 3, steps: int = 10,
+              cuda_graphs: bool = True, measure_ceilings: bool = True, progress: bool = True,
+              command: str | None = None, copy_bytes: int | None = None, matmul_n: int | None = None,
+              seed: int = 0) -> SweepResult:
+    from .engine import LLMEngine
+    from .hardware import default_dtype, parse_dtype, pick_device
+    from .loader import load_model
+    from .tokenizer import load_tokenizer
+
+    t_start = time.time()
+    dev = pick_device(device)
+    model = model or default_model_for(dev)
+    dt = parse_dtype(dtype) if dtype else default_dtype(dev)
+    batches = sorted(set(batches or DEFAULT_BATCHES))
+    context = context or (128 if dev.type == "cpu" else 512)
+    hw = describe_hardware(dev)
+    m = load_model(model, dev, dt, seed)
+    cfg, nbytes = m.config, dtype_bytes(dt)
+    tok = load_tokenizer(None)
+
+    if measure_ceilings:
+        bw_m = measure_copy_bandwidth(dev, nbytes=copy_bytes)
+        pk_m = measure_matmul_peak(dev, dt, n=matmul_n)
+        bw, peak = bw_m.value, pk_m.value
+        ceil = {"bandwidth": bw, "peak_flops": peak, "source": "measured",
+                "bandwidth_samples": bw_m.samples, "peak_samples": pk_m.samples,
+                "spec_bandwidth": hw.spec_bandwidth, "spec_flops": (hw.spec_flops or {}).get(dtype_name(dt))}
+    else:
+        bw, peak = hw.spec_bandwidth, (hw.spec_flops or {}).get(dtype_name(dt))
+        if not bw or not peak:
+            raise ValueError("no spec ceilings are known for this hardware: measure them (drop --no-measure)")
+        ceil = {"bandwidth": bw, "peak_flops": peak, "source": "spec"}
+
+    results: list[BatchResult] = []
+    it = batches
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+        bar = tqdm(batches, desc=f"roofline {model} {dtype_name(dt)}", unit="batch", file=sys.stderr)
+        it = bar
+    for b in it:
+        engine = None
+        try:
+            engine = LLMEngine(m, tok, max_batch_size=b, max_model_len=context + warmup + 3 * steps + 8,
+                               kv_memory_fraction=0.9)
+            r = measure_batch(engine, b, context, warmup, steps, cuda_graphs)
+            _fill_derived(r, cfg, nbytes, bw, peak)
+        except Exception as e:      # one batch failing must not end the sweep
+            if not _is_oom(e):
+                r = BatchResult(b, f"error: {type(e).__name__}: {e}", context)
+            else:
+                r = BatchResult(b, "oom", context)
+        finally:
+            del engine
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+        results.append(r)
+        if bar is not None and r.status == "ok":
+            bar.set_postfix_str(f"B={b}: {r.aggregate_tok_s:.0f} tok/s")
+    ok = [r for r in results if r.status == "ok"]
+    knee = rf.measured_knee([r.batch for r in ok], [r.forward_ms_median for r in ok])
+    return SweepResult(
+        model=str(model), dtype=dtype_name(dt), device=str(dev), hardware=_hw_dict(hw),
+        host=socket.gethostname(), torch_version=torch.__version__, python=platform.python_version(),
+        command=command or "minillm.sweep.run_sweep(...)", context=context, warmup=warmup, steps=steps,
+        cuda_graphs=bool(cuda_graphs and dev.type == "cuda"), ceilings=ceil,
+        model_bytes=rf.weight_bytes(cfg, nbytes), config=cfg.to_dict(),
+        predicted_crossover=rf.crossover_batch(cfg, nbytes, bw, peak, 0),
+        predicted_crossover_kv=rf.crossover_batch(cfg, nbytes, bw, peak, context),
+        measured_knee=knee, batches=results,
+        started=time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t_start)),
+        duration_s=time.time() - t_start)
+
+
+def _hw_dict(hw) -> dict:
+    d = asdict(hw)
+    d["summary"] = hw.summary()
+    return d

@@ -1,0 +1,83 @@
+"""Devices, dtypes, the spec table and the measured ceilings (on whatever machine runs the tests)."""
+import pytest
+import torch
+
+from minillm import hardware as hw
+from minillm.doctor import run_checks
+
+
+def test_pick_device_defaults_and_errors():
+    assert hw.pick_device(None).type in ("cuda", "mps", "cpu")
+    assert hw.pick_device("cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match="unknown device"):
+        hw.pick_device("tpu-ish")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA GPU"):
+            hw.pick_device("cuda")
+
+
+@pytest.mark.parametrize("name,dt,nbytes", [("bf16", torch.bfloat16, 2), ("float16", torch.float16, 2),
+                                            ("fp32", torch.float32, 4), (torch.bfloat16, torch.bfloat16, 2)])
+def test_dtypes(name, dt, nbytes):
+    assert hw.parse_dtype(name) is dt and hw.dtype_bytes(name) == nbytes
+    assert hw.parse_dtype(hw.dtype_name(name)) is dt
+
+
+def test_bad_dtype():
+    with pytest.raises(ValueError, match="bf16, fp16 or fp32"):
+        hw.parse_dtype("int3")
+
+
+@pytest.mark.parametrize("name,expected", [
+    ("NVIDIA H200", "H200 SXM 141GB"), ("NVIDIA H100 80GB HBM3", "H100 SXM 80GB"),
+    ("NVIDIA H100 PCIe", "H100 PCIe 80GB"), ("NVIDIA A100-SXM4-40GB", "A100 40GB"),
+    ("NVIDIA A100-SXM4-80GB", "A100 SXM 80GB"), ("NVIDIA L4", "L4"), ("NVIDIA L40S", "L40S"),
+    ("Tesla T4", "T4"), ("NVIDIA GeForce RTX 4090", "GeForce RTX 4090"), ("NVIDIA A10", "A10"),
+    ("NVIDIA GeForce RTX 3090", "GeForce RTX 3090"), ("NVIDIA GeForce RTX 5090", "GeForce RTX 5090"),
+])
+def test_spec_table_lookup(name, expected):
+    spec = hw.lookup_gpu_spec(name)
+    assert spec is not None and spec.name == expected
+    assert spec.bandwidth > 1e11 and all(v > 1e12 for v in spec.flops.values())
+
+
+def test_unknown_gpu_has_no_spec():
+    assert hw.lookup_gpu_spec("Some Future Accelerator 9000") is None
+
+
+def test_nvml_bandwidth_formula():
+    # A100 80GB: 1593 MHz x 2 x 5120 bit / 8 = 2.039 TB/s (its datasheet figure)
+    assert hw.nvml_spec_bandwidth({"mem_clock_mhz": 1593, "bus_width_bits": 5120}) == pytest.approx(2.039e12, rel=1e-3)
+    assert hw.nvml_spec_bandwidth(None) is None and hw.nvml_spec_bandwidth({"name": "x"}) is None
+
+
+def test_describe_hardware_cpu():
+    info = hw.describe_hardware("cpu")
+    assert info.kind == "cpu" and info.cpu_cores >= 1 and info.spec_bandwidth is None
+    assert "CPU" in info.summary()
+
+
+def test_measured_ceilings_are_plausible():
+    bw = hw.measure_copy_bandwidth("cpu", nbytes=32 * 2**20, repeats=3, warmup=1)
+    assert bw.unit == "B/s" and len(bw.samples) == 3 and 1e8 < bw.value < 1e13
+    assert bw.value == sorted(bw.samples)[1]                      # the median
+    pk = hw.measure_matmul_peak("cpu", "fp32", n=256, repeats=3, warmup=1)
+    assert pk.unit == "FLOP/s" and 1e7 < pk.value < 1e15 and pk.params["n"] == 256
+
+
+def test_copy_too_small_is_refused():
+    with pytest.raises(ValueError, match="cache"):
+        hw.measure_copy_bandwidth("cpu", nbytes=1000)
+
+
+def test_ceilings_without_measuring_on_cpu_are_unknown():
+    c = hw.ceilings("cpu", "fp32", measure=False)
+    assert c["source"] == "unknown" and c["bandwidth"] is None
+
+
+def test_doctor_reports_every_check():
+    checks = run_checks()
+    names = {c.name for c in checks}
+    assert {"torch", "transformers", "torch build", "cpu", "default tokenizer"} <= names
+    assert all(c.status in ("OK", "FAIL", "--") for c in checks)
+    assert not [c for c in checks if c.status == "FAIL"], [c.line() for c in checks if c.status == "FAIL"]
