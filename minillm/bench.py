@@ -83,6 +83,10 @@ def to_transformers(model) -> torch.nn.Module:
         hf = cls(hf_cfg)
     hf.load_state_dict(model.state_dict(), strict=False, assign=True)
     hf.tie_weights()
+    # buffers are not in the state dict: rebuild the rotary embedding (its inv_freq) for real
+    rot = hf.model.rotary_emb
+    with torch.device(model.device):
+        hf.model.rotary_emb = type(rot)(config=hf_cfg)
     return hf.eval()
 
 
