@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Everything GPU-specific in one go (issue: the roofline, item 7), sized to finish in < 8 minutes
+# on one H200. Results go under $OUT when it is set (the device tool), else runs/gpu-check/.
+#
+#   bash scripts/gpu_check.sh            # then: commit $OUT/*.json under figures/reference/
+#
+# 1. doctor (torch build, NVML name/memory/spec bandwidth)
+# 2. the llama-3.1-8b twin in bf16, decode sweep 1 → 512 with CUDA graphs (measured ceilings inside)
+# 3. batch 1 without CUDA graphs (launch overhead, chapter 10.5)
+# 4. batch-1 decode: minillm vs transformers' generate, achieved bandwidth vs measured copy bandwidth
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-runs/gpu-check}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"   # runs from the source tree: no install needed
+PY="${PYTHON:-python3}"
+step() { echo; echo "=== $* ($(date +%T))"; }
+
+step doctor
+$PY -m minillm doctor 2>&1 | tee "$OUT/doctor.txt"
+
+step "roofline sweep: llama-3.1-8b bf16, batches 1..512, CUDA graphs on"
+timeout 300 $PY -m minillm roofline --model llama-3.1-8b --dtype bf16 --max-batch 512 --context 512 \
+    --out "$OUT" --figures "$OUT" 2>&1 | tee "$OUT/roofline.txt"
+
+step "batch 1 (and 8), CUDA graphs off"
+mkdir -p "$OUT/nographs"
+timeout 120 $PY -m minillm roofline --model llama-3.1-8b --dtype bf16 --batches 1,8 --context 512 \
+    --no-cuda-graphs --out "$OUT/nographs" --figures "$OUT/nographs" 2>&1 | tee "$OUT/roofline-nographs.txt"
+
+step "batch-1 decode benchmark: minillm vs transformers"
+timeout 150 $PY -m minillm bench --model llama-3.1-8b --dtype bf16 --new-tokens 128 \
+    --json "$OUT/bench-llama-3.1-8b-bf16.json" 2>&1 | tee "$OUT/bench.txt"
+
+step done
+ls -la "$OUT"
