@@ -4,13 +4,15 @@
 #
 #   bash scripts/gpu_check.sh            # then: commit $OUT/*.json under figures/reference/
 #
+# Results: $OUT/gpu-check.tgz (everything) plus the main sweep JSON and the printed tables.
 # 1. doctor (torch build, NVML name/memory/spec bandwidth)
 # 2. the llama-3.1-8b twin in bf16, decode sweep 1 → 512 with CUDA graphs (measured ceilings inside)
 # 3. batch 1 without CUDA graphs (launch overhead, chapter 10.5)
 # 4. batch-1 decode: minillm vs transformers' generate, achieved bandwidth vs measured copy bandwidth
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT="${OUT:-runs/gpu-check}"
+FINAL="${OUT:-runs/gpu-check}"
+OUT="$FINAL/all"            # the device tool returns at most 8 files: bundle at the end
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"   # runs from the source tree: no install needed
 PY="${PYTHON:-python3}"
@@ -33,4 +35,7 @@ timeout 150 $PY -m minillm bench --model llama-3.1-8b --dtype bf16 --new-tokens 
     --json "$OUT/bench-llama-3.1-8b-bf16.json" 2>&1 | tee "$OUT/bench.txt"
 
 step done
-ls -la "$OUT"
+ls -la "$OUT" "$OUT/nographs"
+tar -czf "$FINAL/gpu-check.tgz" -C "$FINAL" all && cp "$OUT"/roofline-*.json "$OUT/bench.txt" "$OUT/roofline.txt" "$FINAL/" \
+    && rm -rf "$OUT"
+ls -la "$FINAL"
