@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import textwrap
 from pathlib import Path
 
 FIGURES_DIR = Path(__file__).resolve().parent.parent / "figures"
@@ -19,10 +20,14 @@ def save_figure(fig, name: str, stamp: str, out_dir: str | Path | None = None) -
     ``name.png`` and ``name.svg``. Returns the two paths."""
     if not name or "/" in name or name.endswith((".png", ".svg")):
         raise ValueError(f"figure name must be a bare slug like '10-3-decode-roofline', got {name!r}")
-    fig.text(0.005, 0.005, stamp, fontsize=6, color="0.45", ha="left", va="bottom")
+    # wrapped, so a long command line does not make the saved figure three times wider
+    stamp = "\n".join(textwrap.wrap(stamp, 150))
+    fig.text(0.005, 0.005, stamp, fontsize=6, color="0.45", ha="left", va="top")
     d = figures_dir(out_dir)
     paths = [d / f"{name}.png", d / f"{name}.svg"]
     fig.savefig(paths[0], dpi=150, bbox_inches="tight")
     # SVGs stay diffable: no random ids or dates inside
-    fig.savefig(paths[1], bbox_inches="tight", metadata={"Date": None})
+    import matplotlib
+    with matplotlib.rc_context({"svg.hashsalt": "minillm"}):
+        fig.savefig(paths[1], bbox_inches="tight", metadata={"Date": None})
     return paths

@@ -39,6 +39,9 @@ def plot_roofline(result: dict, references: list[dict] | None = None, ax=None):
             label=f"B × BW/model bytes (batch 1: {flat:.1f} tok/s)")
     ax.plot(grid, [b * bw / rf.decode_step_bytes(cfg, nbytes, b, L) for b in grid], "--", color="tab:gray",
             label=f"bandwidth bound with KV (L={L})")
+    # what each request can get: the shared step time bounds every request in the batch
+    ax.plot(grid, [min(bw / rf.decode_step_bytes(cfg, nbytes, b, L), peak / rf.decode_step_flops(cfg, b, L))
+                   for b in grid], "--", color="tab:orange", alpha=0.5, label="per-request bound (step time ≥ max(t_mem, t_compute))")
     compute = [peak / (rf.decode_step_flops(cfg, b, L) / b) for b in grid]
     ax.plot(grid, compute, "-.", color="tab:red", alpha=0.7, label="compute roof (peak / FLOPs per token)")
 
@@ -46,6 +49,8 @@ def plot_roofline(result: dict, references: list[dict] | None = None, ax=None):
         rok = _ok(ref)
         ax.plot([b["batch"] for b in rok], [b["aggregate_tok_s"] for b in rok], "s-", color="tab:purple",
                 alpha=0.5, ms=4, label=f"reference: {_label(ref)} (aggregate)")
+        ax.plot([b["batch"] for b in rok], [b["per_request_tok_s"] for b in rok], "s--", color="tab:purple",
+                alpha=0.35, ms=3, label="reference (per-request)")
     ax.plot([b["batch"] for b in ok], [b["aggregate_tok_s"] for b in ok], "o-", color="tab:blue",
             label="measured aggregate tok/s")
     ax.plot([b["batch"] for b in ok], [b["per_request_tok_s"] for b in ok], "o-", color="tab:orange",
@@ -54,24 +59,23 @@ def plot_roofline(result: dict, references: list[dict] | None = None, ax=None):
         if b["status"] != "ok":
             ax.annotate(b["status"][:12], (b["batch"], flat), fontsize=7, color="tab:red", rotation=90)
 
-    bstar = result.get("predicted_crossover")
-    if bstar and math.isfinite(bstar):
-        ax.axvline(bstar, color="tab:red", lw=0.8, alpha=0.6)
-        ax.annotate(f"B* = {bstar:.0f}", (bstar, ax.get_ylim()[0]), fontsize=8, color="tab:red",
-                    xytext=(3, 5), textcoords="offset points")
-    knee = result.get("measured_knee")
-    if knee:
-        ax.axvline(knee, color="tab:blue", lw=0.8, ls="--", alpha=0.6)
-        ax.annotate(f"measured knee ≈ {knee:.0f}", (knee, ax.get_ylim()[1]), fontsize=8, color="tab:blue",
-                    xytext=(3, -12), textcoords="offset points")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
+    # vertical markers go in the legend: annotations at axis limits get lost on log axes
+    bstar = result.get("predicted_crossover")
+    if bstar and math.isfinite(bstar):
+        ax.axvline(bstar, color="tab:red", lw=0.9, alpha=0.6, label=f"predicted crossover B* = {bstar:.0f}")
+    knee = result.get("measured_knee")
+    if knee:
+        ax.axvline(knee, color="tab:blue", lw=0.9, ls="--", alpha=0.6, label=f"measured knee ≈ {knee:.0f}")
+    else:
+        ax.plot([], [], " ", label="measured knee: none in this range")
     ax.set_xlabel("batch size (concurrent decoding requests)")
     ax.set_ylabel("tokens / s")
     ax.set_title(f"Decode roofline: {_label(result)}\n(context {L}, ceilings {result['ceilings']['source']}: "
                  f"{bw / 1e9:.0f} GB/s, {peak / 1e12:.2f} TFLOP/s)", fontsize=10)
     ax.grid(True, which="both", alpha=0.25)
-    ax.legend(fontsize=7, loc="upper left")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))   # outside: never hides a line
     return fig
 
 
