@@ -1,0 +1,23 @@
+"""A batch that does not fit is reported as such, and the sweep goes on (issue: the roofline, item 2)."""
+import torch
+
+from minillm import sweep
+
+
+def test_oom_batch_is_reported_and_sweep_continues(monkeypatch):
+    real = sweep.measure_batch
+
+    def fake(engine, batch, *a, **k):
+        if batch == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        if batch == 3:
+            raise RuntimeError("something else broke")
+        return real(engine, batch, *a, **k)
+
+    monkeypatch.setattr(sweep, "measure_batch", fake)
+    res = sweep.run_sweep(model="tiny", device="cpu", dtype="fp32", batches=[1, 2, 3, 4], steps=2, warmup=1,
+                          copy_bytes=16 * 2**20, matmul_n=128, progress=False)
+    status = {b.batch: b.status for b in res.batches}
+    assert status[1] == status[4] == "ok" and status[2] == "oom"
+    assert status[3].startswith("error: RuntimeError")
+    assert "oom" in res.table()
