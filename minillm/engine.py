@@ -11,6 +11,7 @@ decode batch on the next step. Nobody waits for the slowest request of a "batch"
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
@@ -28,6 +29,8 @@ from .sequence import Sequence, Status
 from .tokenizer import IncrementalDetokenizer, encode_prompt, load_tokenizer
 from .trace import Trace, now_ns
 
+log = logging.getLogger(__name__)
+
 
 class RequestError(ValueError):
     """A request the engine cannot run (empty prompt, too long for the context, bad ids)."""
@@ -36,7 +39,7 @@ class RequestError(ValueError):
 @dataclass
 class StepOutput:
     request_id: str
-    token_id: int
+    token_id: int | None       # None when the step failed for this request (finish_reason "error")
     delta: str                 # new text, possibly "" (e.g. half of a UTF-8 character)
     finished: bool
     finish_reason: str | None
@@ -174,9 +177,12 @@ class LLMEngine:
             batch = self.scheduler.schedule()
             if batch is None:
                 return []
-            logits = self._forward(batch)                                   # [B, V]
-            token_ids = sample_next(logits, [s.params for s in batch.seqs],
-                                    [s.generator for s in batch.seqs])     # host ints: device work is done
+            try:
+                logits = self._forward(batch)                               # [B, V]
+                token_ids = sample_next(logits, [s.params for s in batch.seqs],
+                                        [s.generator for s in batch.seqs]) # host ints: device work is done
+            except Exception as e:   # e.g. out of memory: fail this batch, keep the engine alive
+                return self._fail_batch(batch, e)
             t = now_ns()
             return [self._append_token(seq, tok, t) for seq, tok in zip(batch.seqs, token_ids)]
 
@@ -204,6 +210,18 @@ class LLMEngine:
         meta = build_attn_meta(slots, [s.num_cached for s in seqs], [1] * len(seqs),
                                self.cache.scratch_pos, self.device)
         return self.model(tokens, self.cache, meta)[:, -1]                  # [B, V]
+
+    def _fail_batch(self, batch: Batch, error: Exception) -> list[StepOutput]:
+        """The forward pass failed: end the requests in it with reason "error" (their slots are
+        freed) and report it; requests outside this batch are untouched."""
+        msg = f"{type(error).__name__}: {error}"
+        log.error("step failed for %d request(s): %s", len(batch.seqs), msg)
+        outs = []
+        for seq in batch.seqs:
+            seq.error = msg
+            self._finish(seq, "error")
+            outs.append(StepOutput(seq.request_id, None, "", True, "error"))
+        return outs
 
     def _append_token(self, seq: Sequence, token_id: int, t_ns: int) -> StepOutput:
         seq.output_ids.append(token_id)
@@ -314,6 +332,8 @@ class LLM:
                 for o in self.engine.step():
                     if o.request_id == rid and o.delta:
                         yield o.delta
+            if seq.finish_reason == "error":
+                raise RuntimeError(f"request {rid} failed: {seq.error}")
         finally:
             if not seq.finished:
                 self.engine.abort(rid)

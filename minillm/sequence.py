@@ -30,6 +30,7 @@ class Sequence:
     text: str = ""                     # detokenized output so far (stop strings removed)
     emitted: int = 0                   # chars of ``text`` already handed out as deltas
     finish_reason: str | None = None   # "stop" | "length" | "abort" | "error"
+    error: str | None = None           # why, when finish_reason is "error"
     generator: torch.Generator | None = None
     detok: object | None = None        # minillm.tokenizer.IncrementalDetokenizer
 

@@ -159,3 +159,29 @@ def test_trace_records_every_stage_in_order(tiny_llm):
     assert ts == sorted(ts)
     m = out.metrics
     assert m.output_tokens == 5 and 0 < m.ttft_s <= m.e2e_s and m.tpot_s > 0
+
+
+def test_a_failing_step_ends_its_batch_and_the_engine_goes_on(tiny_llm, monkeypatch):
+    """An out-of-memory forward must not kill the engine: that batch ends with "error", its
+    slots are freed, and the next request runs normally."""
+    eng = tiny_llm.engine
+    free_before = eng.cache.num_free
+    real = eng._forward
+    calls = {"n": 0}
+
+    def flaky(batch):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(batch)
+
+    monkeypatch.setattr(eng, "_forward", flaky)
+    rid = eng.add_request([3, 4, 5], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    eng.step()                                    # prefill ok
+    outs = eng.step()                             # decode fails
+    assert [(o.request_id, o.finished, o.finish_reason) for o in outs] == [(rid, True, "error")]
+    assert "out of memory" in eng.get(rid).error and eng.cache.num_free == free_before
+    assert eng.get(rid).trace.last("finished").extra["reason"] == "error"
+    eng.pop_finished(rid)
+    out = tiny_llm.generate([[3, 4, 5]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 4
