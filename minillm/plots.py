@@ -36,9 +36,9 @@ def plot_roofline(result: dict, references: list[dict] | None = None, ax=None):
     # the bounds, from the measured ceilings of this run
     flat = bw / rf.weight_bytes(cfg, nbytes)
     ax.plot(grid, [flat * b for b in grid], ":", color="tab:gray",
-            label=f"B × BW/model bytes (batch 1: {flat:.1f} tok/s)")
+            label=f"B × BW / model bytes (the chapter's bound; batch 1: {flat:.1f} tok/s)")
     ax.plot(grid, [b * bw / rf.decode_step_bytes(cfg, nbytes, b, L) for b in grid], "--", color="tab:gray",
-            label=f"bandwidth bound with KV (L={L})")
+            label=f"B × BW / bytes a step reads (weights + KV at L={L})")
     # what each request can get: the shared step time bounds every request in the batch
     ax.plot(grid, [min(bw / rf.decode_step_bytes(cfg, nbytes, b, L), peak / rf.decode_step_flops(cfg, b, L))
                    for b in grid], "--", color="tab:orange", alpha=0.5, label="per-request bound (step time ≥ max(t_mem, t_compute))")
