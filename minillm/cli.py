@@ -88,6 +88,17 @@ def cmd_roofline(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(a: argparse.Namespace) -> int:
+    from .server import config_from_args, serve
+    try:
+        cfg = config_from_args(a)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    serve(cfg, host=a.host, port=a.port)
+    return 0
+
+
 def cmd_doctor(a: argparse.Namespace) -> int:
     from .doctor import main as doctor_main
     return doctor_main([])
@@ -130,6 +141,19 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--figures", default=None, help="directory for the figure (default: the repo's figures/)")
     r.add_argument("--reference", action="append", help="a reference run's JSON to overlay (repeatable)")
     r.set_defaults(fn=cmd_roofline)
+
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (gateway, SSE streaming, traces)")
+    _add_model_args(s)
+    s.add_argument("--tokenizer", default=None, help="a tokenizer directory (default: the model's, or the shipped BPE)")
+    s.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", action="append", help="an accepted API key (repeatable; also MINILLM_API_KEY)")
+    s.add_argument("--requests-per-s", type=float, default=None, help="rate limit per key (token bucket)")
+    s.add_argument("--tokens-per-min", type=float, default=None, help="token rate limit per key (prompt + max_tokens)")
+    s.add_argument("--max-queue-depth", type=int, default=256, help="requests in flight before 503")
+    s.add_argument("--max-batch-size", type=int, default=64)
+    s.add_argument("--max-model-len", type=int, default=None)
+    s.set_defaults(fn=cmd_serve)
 
     d = sub.add_parser("doctor", help="check dependencies, the torch build and the devices")
     d.set_defaults(fn=cmd_doctor)

@@ -59,7 +59,7 @@ def build(max_mb: float) -> PreTrainedTokenizerFast:
     assert tok.token_to_id("<|endoftext|>") == 0
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
                                    additional_special_tokens=SPECIAL[1:], chat_template=CHAT_TEMPLATE,
-                                   model_max_length=2048, clean_up_tokenization_spaces=False)
+                                   model_max_length=1 << 20, clean_up_tokenization_spaces=False)
 
 
 def main() -> None:
