@@ -51,8 +51,9 @@ class Bounds:
             else f"{self.crossover_kv:.0f}"
         return (f"{self.model} ({self.dtype}, {self.model_bytes / 1e9:.1f} GB) on {self.gpu} "
                 f"({self.bandwidth / 1e12:.2f} TB/s, {self.peak_flops / 1e12:.0f} TFLOP/s spec)\n"
-                f"  one request: ≤ {self.single_bound_tok_s:.0f} tok/s (BW ÷ model bytes); "
-                f"≤ {self.single_bound_kv_tok_s:.0f} tok/s with {self.context} tokens of KV\n"
+                f"  one request: ≤ {self.single_bound_tok_s:.0f} tok/s (BW ÷ model bytes)\n"
+                f"               ≤ {self.single_bound_kv_tok_s:.0f} tok/s for the bytes a step reads, W + L·k "
+                f"(input embedding: one row; L = {self.context})\n"
                 f"  batch {self.batch}: step ≥ {self.step_ms:.2f} ms ({bound}-bound: t_mem {self.t_mem_ms:.2f} ms, "
                 f"t_compute {self.t_compute_ms:.2f} ms) → ≤ {self.aggregate_bound_tok_s:.0f} tok/s in total\n"
                 f"  crossover B* ≈ {self.crossover:.0f} (no KV); with KV at L={self.context}: {ckv}")
