@@ -31,6 +31,7 @@ from .sequence import Sequence, Status
 from .trace import Trace
 
 DEFAULT_BATCHES = [1, 2, 4, 8, 16, 32, 48, 64]
+NOISY_SPREAD = 1.5          # p90 / p10 of the step times above which a row is flagged
 
 
 def default_batches(max_batch: int = 64) -> list[int]:
@@ -133,14 +134,21 @@ class SweepResult:
 
     def table(self) -> str:
         hdr = f"{'batch':>5} {'step ms':>9} {'engine ms':>10} {'tok/s/req':>10} {'tok/s agg':>10} {'% bound':>8} {'MBU':>6} {'MFU':>6}"
-        rows = [hdr]
+        rows, noisy = [hdr], []
         for b in self.batches:
             if b.status != "ok":
                 rows.append(f"{b.batch:>5} {b.status}")
                 continue
+            # a wide spread means something else ran on the machine: the median may be off (10.6)
+            flag = " *" if b.forward_ms_p10 and b.forward_ms_p90 / b.forward_ms_p10 > NOISY_SPREAD else ""
+            if flag:
+                noisy.append(b.batch)
             rows.append(f"{b.batch:>5} {b.forward_ms_median:>9.2f} {b.engine_ms_median:>10.2f} "
                         f"{b.per_request_tok_s:>10.1f} {b.aggregate_tok_s:>10.1f} {100 * b.pct_of_bound:>7.0f}% "
-                        f"{100 * b.mbu:>5.0f}% {100 * b.mfu:>5.1f}%")
+                        f"{100 * b.mbu:>5.0f}% {100 * b.mfu:>5.1f}%{flag}")
+        if noisy:
+            rows.append(f"* noisy: p90/p10 of the step time > {NOISY_SPREAD} at batch {', '.join(map(str, noisy))}; "
+                        f"something else was using the machine, rerun before trusting these rows")
         knee = "none in range" if self.measured_knee is None else f"{self.measured_knee:.1f}"
         rows.append(f"predicted crossover B* = {self.predicted_crossover:.1f} (KV-aware at L={self.context}: "
                     f"{self.predicted_crossover_kv:.1f}); measured knee: {knee}")

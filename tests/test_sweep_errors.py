@@ -21,3 +21,12 @@ def test_oom_batch_is_reported_and_sweep_continues(monkeypatch):
     assert status[1] == status[4] == "ok" and status[2] == "oom"
     assert status[3].startswith("error: RuntimeError")
     assert "oom" in res.table()
+
+
+def test_noisy_rows_are_flagged():
+    res = sweep.run_sweep(model="tiny", device="cpu", dtype="fp32", batches=[1], steps=3, warmup=1,
+                          copy_bytes=16 * 2**20, matmul_n=128, progress=False)
+    assert "noisy" not in res.table() or res.batches[0].forward_ms_p90 / res.batches[0].forward_ms_p10 > 1.5
+    b = res.batches[0]
+    b.forward_ms_p10, b.forward_ms_p90 = 1.0, 5.0           # as if another job had run mid-sweep
+    assert "1.00 *" not in res.table() and " *" in res.table() and "noisy" in res.table()
