@@ -99,6 +99,19 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_http(a: argparse.Namespace) -> int:
+    from .http_overhead import run_http_overhead
+    rep = run_http_overhead(model=a.model, device=a.device, dtype=a.dtype, n_requests=a.requests,
+                            prompt_tokens=a.prompt_tokens, max_tokens=a.max_tokens, warmup=a.warmup, mode=a.mode,
+                            torch_threads=a.torch_threads)
+    print(rep.table())
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(rep.to_dict(), indent=2))
+        print(f"wrote {a.json}")
+    return 0
+
+
 def cmd_doctor(a: argparse.Namespace) -> int:
     from .doctor import main as doctor_main
     return doctor_main([])
@@ -153,7 +166,24 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queue-depth", type=int, default=256, help="requests in flight before 503")
     s.add_argument("--max-batch-size", type=int, default=64)
     s.add_argument("--max-model-len", type=int, default=None)
+    s.add_argument("--burst", type=float, default=None, help="requests a key may send at once (default: one second's worth)")
+    s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    s.add_argument("--torch-threads", type=int, default=None,
+                   help="torch intra-op threads (default: one per core; on few cores, leave one to HTTP)")
     s.set_defaults(fn=cmd_serve)
+
+    h = sub.add_parser("bench-http", help="HTTP + SSE overhead: TTFT and ITL through `serve` minus in-process (10.1)")
+    _add_model_args(h)
+    h.add_argument("--requests", type=int, default=50, help="measured requests per side (after the warm-up)")
+    h.add_argument("--prompt-tokens", type=int, default=32)
+    h.add_argument("--max-tokens", type=int, default=32)
+    h.add_argument("--warmup", type=int, default=5)
+    h.add_argument("--mode", choices=("subprocess", "thread"), default="subprocess",
+                   help="the server in its own process (default, as deployed) or in a thread of this one")
+    h.add_argument("--torch-threads", type=int, default=None,
+                   help="torch intra-op threads on both sides (default: torch's, one per core)")
+    h.add_argument("--json", default=None, help="also write the report (with every sample) as JSON here")
+    h.set_defaults(fn=cmd_bench_http)
 
     d = sub.add_parser("doctor", help="check dependencies, the torch build and the devices")
     d.set_defaults(fn=cmd_doctor)

@@ -1,16 +1,38 @@
-"""``python -m minillm serve``: an OpenAI-compatible HTTP server (chapter 10.1's first and last stages).
+"""``python -m minillm serve``: an OpenAI-compatible HTTP server, the first and the last stage of
+a request's path (chapter 10.1).
 
-    HTTP request ─► gateway (auth, validate, tokenize, rate limit, admission) ─► engine queue
-                                                                                  │ EngineLoop thread:
-    SSE chunks ◄── handler (detokenized deltas, one `sent` per chunk) ◄── StepOutputs ┘ one step at a time
+    client ──HTTP──► handler (event loop)                      engine thread (exactly one)
+                     received                                   ┌──────────────────────────┐
+                     gateway: auth → validate → rate limit      │ while running:           │
+                              → admission (bounded queue)       │   take new requests      │
+                     engine.prepare (tokenize) ──inbox───────►  │   take aborts            │
+                                                                │   engine.step()          │
+                     asyncio.Queue ◄──call_soon_threadsafe───── │   push the StepOutputs   │
+                     one SSE chunk per delta ("sent") ─► client └──────────────────────────┘
 
-One thread, the :class:`EngineLoop`, calls ``engine.step()``; HTTP handlers only admit requests and
-stream what the loop hands them. So the engine never sees two steps at once, and a slow client
-never slows the batch. A client that goes away aborts its request, which frees its KV slot.
+Why one engine thread? A forward pass is one long blocking call. Run on the event loop, it would
+stall every other connection for a whole step; run in a thread per request, the requests could
+not share a batch. So one thread owns the engine and runs the step loop (continuous batching:
+every step serves everybody), and the event loop does only the cheap work — the gateway,
+tokenizing, JSON, writing bytes. They talk through an inbox (new requests, aborts) one way and
+``loop.call_soon_threadsafe`` into one ``asyncio.Queue`` per request the other way.
 
-Every request keeps its trace (received → authenticated → tokenized → admitted → enqueued →
-scheduled → prefill → tokens → detokenized → sent → finished); the last ones are served at
-``GET /v1/traces`` for the notebooks.
+Only the engine thread touches the engine once the server runs. Handlers do not take the
+engine's lock to enqueue: ``step()`` holds that lock for a whole forward pass, and waiting for it
+would block the event loop — and with it every other stream — for a step. The inbox costs at most
+one step of waiting, which the trace shows as ``queue`` time (it *is* queueing).
+
+Every stage leaves trace events (design.md §1): ``received`` on arrival; ``authenticated`` and
+``admitted`` or ``rejected`` from the gateway; the engine's ``tokenized``, ``enqueued``,
+``scheduled``, ``prefill_start``/``prefill_end``, ``token``, ``detokenized``; ``sent`` once each SSE
+chunk (or the JSON body) has been handed to the socket; and a last ``finished`` with
+``where="server"`` when the response is complete. (The engine records its own ``finished`` a
+little earlier, when it lets the request go and frees the KV slot; ``request_metrics`` uses the
+last one.) The traces of the last ``trace_history`` requests stay reachable at ``GET /v1/traces``
+and through :meth:`ServingState.traces`, so a notebook can walk one request stage by stage.
+
+A client that disconnects aborts its request, and its KV slot is free by the next step: a
+thousand abandoned browser tabs cannot hold the batch hostage.
 """
 from __future__ import annotations
 
@@ -25,382 +47,740 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
-from fastapi import Request   # module level: FastAPI resolves the (string) annotations here
+from starlette.requests import Request   # module level: FastAPI resolves string annotations here
 
-from .engine import LLM, RequestError, StepOutput
-from .gateway import (AdmissionControl, APIKeyAuth, CompletionRequest, Gateway, GatewayError, RateLimiter,
-                      keys_from_env_and_args)
-from .sampling import SamplingParams
-from .tokenizer import apply_chat, encode_prompt
+from .gateway import (APIKeyAuth, AdmissionControl, AdmittedRequest, CompletionRequest, Gateway,
+                      GatewayError, RateLimiter, keys_from_env_and_args)
 from .trace import Trace
 
 log = logging.getLogger("minillm.server")
-MAX_BODY_BYTES = 1 << 20          # 1 MiB: a prompt far longer than any context we serve
+
+MAX_BODY_BYTES = 1 << 20       # 1 MiB: far more than any prompt our contexts can hold
+_DRAIN_FACTOR = 8              # read on (and drop) up to 8× the limit, so the client reads our 413
 
 
-# ----------------------------------------------------------------------------- the engine loop
-
-@dataclass
-class _Subscriber:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-
-
-class EngineLoop:
-    """The one place that steps the engine. Outputs go to each request's asyncio queue
-    through ``call_soon_threadsafe`` (the queue lives on the HTTP event loop)."""
-
-    def __init__(self, llm: LLM, history: int = 10_000):
-        self.llm, self.engine = llm, llm.engine
-        self.finished_traces: collections.deque[Trace] = collections.deque(maxlen=history)
-        self._subs: dict[str, _Subscriber] = {}
-        self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, name="minillm-engine-loop", daemon=True)
-        self.steps = 0
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def submit(self, seq, sub: _Subscriber) -> None:
-        with self._wake:
-            if self._stop:
-                raise RuntimeError("the server is shutting down")
-            self._subs[seq.request_id] = sub
-            self.engine.enqueue(seq)
-            self._wake.notify()
-
-    def abort(self, request_id: str) -> bool:
-        """The client went away: stop generating and free the KV slot."""
-        with self._lock:
-            sub = self._subs.pop(request_id, None)
-            aborted = self.engine.abort(request_id)
-            if aborted:
-                self._retire(request_id)
-        return aborted or sub is not None
-
-    def _retire(self, request_id: str) -> None:
-        with contextlib.suppress(KeyError, RuntimeError):
-            self.finished_traces.append(self.engine.pop_finished(request_id).trace)
-
-    def _run(self) -> None:
-        while True:
-            with self._wake:
-                while not self._stop and not self.engine.has_unfinished():
-                    self._wake.wait(0.5)
-                if self._stop:
-                    break
-            try:
-                outs = self.engine.step()      # takes the engine's own lock; aborts wait for it
-            except Exception:                   # the engine fails batches itself; this is a bug guard
-                log.exception("engine step failed")
-                time.sleep(0.01)
-                continue
-            self.steps += 1
-            self._deliver(outs)
-        self._shutdown()
-
-    def _deliver(self, outs: list[StepOutput]) -> None:
-        with self._lock:
-            for o in outs:
-                sub = self._subs.get(o.request_id)
-                if o.finished:
-                    self._subs.pop(o.request_id, None)
-                    seq = self.engine.get(o.request_id) if o.request_id in self.engine._seqs else None
-                    n_out = len(seq.output_ids) if seq is not None else 0
-                    error = getattr(seq, "error", None)
-                    self._retire(o.request_id)
-                    item = (o, n_out, error)
-                else:
-                    item = (o, None, None)
-                if sub is not None:
-                    with contextlib.suppress(RuntimeError):       # the event loop is closed
-                        sub.loop.call_soon_threadsafe(sub.queue.put_nowait, item)
-
-    def _shutdown(self) -> None:
-        with self._lock:
-            for rid, sub in list(self._subs.items()):
-                self.engine.abort(rid)
-                self._retire(rid)
-                item = (StepOutput(rid, None, "", True, "abort"), 0, "server shutting down")
-                with contextlib.suppress(RuntimeError):
-                    sub.loop.call_soon_threadsafe(sub.queue.put_nowait, item)
-            self._subs.clear()
-
-    def stop(self, timeout: float = 10.0) -> None:
-        with self._wake:
-            self._stop = True
-            self._wake.notify()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
-
-    @property
-    def num_active(self) -> int:
-        with self._lock:
-            return len(self._subs)
-
-
-# ----------------------------------------------------------------------------- the server state
+# ---------------------------------------------------------------------------------------------
+# Configuration
+# ---------------------------------------------------------------------------------------------
 
 @dataclass
 class ServerConfig:
+    """Everything ``python -m minillm serve`` can be told. ``port=0`` binds a free port."""
     model: str = "tiny"
     tokenizer: str | None = None
     device: str | None = None
     dtype: str | None = None
+    seed: int = 0
+    host: str = "127.0.0.1"            # loopback: exposing a server is a decision, not a default
+    port: int = 8000
     api_keys: list[str] = field(default_factory=list)
     requests_per_s: float | None = None
     tokens_per_min: float | None = None
-    max_queue_depth: int = 256
+    burst: float | None = None
+    max_queue_depth: int = 256         # requests inside the server (waiting + running), else 503
     max_batch_size: int = 64
     max_model_len: int | None = None
+    max_tokens_cap: int = 256          # max_tokens of a request that does not say
     max_body_bytes: int = MAX_BODY_BYTES
+    trace_history: int = 10_000        # traces kept for /v1/traces (a bounded deque)
     served_model_name: str | None = None
-    trace_history: int = 10_000
+    log_level: str = "warning"
+    graceful_timeout_s: float = 5.0    # at shutdown, how long open connections may take to close
+    # torch's intra-op threads (process-wide; None: torch's default, one per core). On a machine
+    # with few cores, leaving one core to the HTTP side keeps streaming smooth: with every core
+    # in torch, each chunk written competes with the next step (see `python -m minillm bench-http`).
+    torch_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be ≥ 1, got {self.max_batch_size}")
+        if self.max_queue_depth < 1:
+            raise ValueError(f"max_queue_depth must be ≥ 1, got {self.max_queue_depth}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
+        if self.trace_history < 1:
+            raise ValueError(f"trace_history must be ≥ 1, got {self.trace_history}")
 
 
-class MiniServer:
-    """The model, the gateway and the engine loop; :func:`create_app` puts HTTP in front."""
+def config_from_args(a) -> ServerConfig:
+    """``argparse`` namespace of ``python -m minillm serve`` → :class:`ServerConfig`."""
+    def opt(name: str, default=None):
+        return getattr(a, name, default)
+    return ServerConfig(model=a.model, tokenizer=opt("tokenizer"), device=a.device, dtype=a.dtype,
+                        host=opt("host", "127.0.0.1"), port=opt("port", 8000),
+                        api_keys=keys_from_env_and_args(opt("api_key")),
+                        requests_per_s=opt("requests_per_s"), tokens_per_min=opt("tokens_per_min"),
+                        burst=opt("burst"), max_queue_depth=opt("max_queue_depth", 256),
+                        max_batch_size=opt("max_batch_size", 64), max_model_len=opt("max_model_len"),
+                        log_level=opt("log_level", "info"), torch_threads=opt("torch_threads"))
 
-    def __init__(self, config: ServerConfig, llm: LLM | None = None):
-        self.config = config
-        self.llm = llm or LLM(model=config.model, tokenizer=config.tokenizer, device=config.device,
-                              dtype=config.dtype, max_batch_size=config.max_batch_size,
-                              max_model_len=config.max_model_len)
-        self.model_name = config.served_model_name or config.model
-        self.auth = APIKeyAuth(config.api_keys)
-        limiter = RateLimiter(config.requests_per_s, config.tokens_per_min) \
-            if (config.requests_per_s or config.tokens_per_min) else None
-        self.gateway = Gateway(self.auth, limiter, AdmissionControl(config.max_queue_depth), [self.model_name],
-                               self.llm.engine.max_model_len, self._count_tokens)
-        self.loop = EngineLoop(self.llm, config.trace_history)
-        self.rejected_traces: collections.deque[Trace] = collections.deque(maxlen=config.trace_history)
-        self._tokenized = threading.local()     # the ids the gateway's token count produced
-        self.created = int(time.time())
 
-    # The gateway counts prompt tokens to check the context; keep those ids, so the prompt is
-    # tokenized once, and stamp `tokenized` on the request's trace (the tokenize stage of 10.1).
-    def _count_tokens(self, req: CompletionRequest) -> int:
-        tok = self.llm.tokenizer
-        if req.chat:
-            ids = list(tok.encode(apply_chat(tok, req.prompt), add_special_tokens=False))
-        else:
-            ids = encode_prompt(tok, req.prompt)
-        self._tokenized.ids = ids
-        trace = getattr(self._tokenized, "trace", None)
-        if trace is not None:
-            trace.record("tokenized", n_tokens=len(ids))
-        return len(ids)
+# ---------------------------------------------------------------------------------------------
+# The engine thread
+# ---------------------------------------------------------------------------------------------
 
-    def admit(self, authorization: str | None, body: Any, chat: bool, trace: Trace):
-        self._tokenized.trace, self._tokenized.ids = trace, None
+class _Closed:
+    """Pushed into a request's queue instead of a StepOutput when the engine lets it go
+    without finishing it (server shutdown, engine failure)."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+@dataclass(eq=False)
+class _Stream:
+    """One request as the engine thread sees it: its sequence and where its outputs go."""
+    seq: Any                                  # minillm.sequence.Sequence
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    every_output: bool = True                 # False (non-streaming): only the final output
+
+
+@dataclass
+class _Abort:
+    request_id: str
+    then: Callable[[], None] | None = None    # runs on the engine thread once the slot is free
+
+
+class EngineLoop:
+    """The one thread that owns the engine and runs ``engine.step()`` while there is work."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self._cv = threading.Condition()
+        self._inbox: list[_Stream] = []
+        self._aborts: list[_Abort] = []
+        self._streams: dict[str, _Stream] = {}       # touched by the engine thread only
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.steps = 0
+        self.failures = 0
+
+    # -- called from the event loop (or any thread) -------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="minillm-engine", daemon=True)
+            self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    def submit(self, seq, every_output: bool = True) -> _Stream:
+        """Hand a prepared sequence to the engine thread. Its outputs arrive in the returned
+        stream's queue; call this on the event loop that should receive them."""
+        stream = _Stream(seq, asyncio.get_running_loop(), asyncio.Queue(), every_output)
+        with self._cv:
+            if not self.alive:
+                raise GatewayError(503, "server_shutting_down", "The server is shutting down; retry later.",
+                                   headers={"Retry-After": "1"})
+            self._inbox.append(stream)
+            self._cv.notify()
+        return stream
+
+    def abort(self, request_id: str, then: Callable[[], None] | None = None) -> None:
+        """Ask the engine thread to abort a request; ``then`` runs after its KV slot is free."""
+        with self._cv:
+            queued = self.alive
+            if queued:
+                self._aborts.append(_Abort(request_id, then))
+                self._cv.notify()
+        if not queued and then is not None:    # stopped: the engine has let everything go already
+            then()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop after the current step; every request still inside gets a :class:`_Closed`."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout)
+            if t.is_alive():
+                log.error("the engine thread did not stop within %.0f s", timeout)
+
+    def stats(self) -> dict[str, int]:
+        """A snapshot for tests and notebooks (read without the engine's lock: approximate)."""
+        e = self.engine
+        return {"running": e.num_running, "waiting": e.num_waiting, "free_slots": e.cache.num_free,
+                "num_slots": e.cache.num_slots, "streams": len(self._streams), "inbox": len(self._inbox),
+                "sequences": len(e._seqs), "steps": self.steps}
+
+    # -- the engine thread ---------------------------------------------------------------
+    def _run(self) -> None:
         try:
-            admitted = self.gateway.admit(authorization, body, chat=chat, trace=trace)
-            return admitted, self._tokenized.ids
+            while True:
+                with self._cv:
+                    while not (self._stopping or self._inbox or self._aborts or self.engine.has_unfinished()):
+                        self._cv.wait()           # idle: sleep until a request (or stop) arrives
+                    if self._stopping:
+                        break
+                    inbox, self._inbox = self._inbox, []
+                    aborts, self._aborts = self._aborts, []
+                for s in inbox:
+                    self._admit(s)
+                for a in aborts:                  # after the inbox: an abort may follow its submit
+                    self._abort(a)
+                if self.engine.has_unfinished():
+                    self._step()
         finally:
-            self._tokenized.trace = None
+            self._close_all("The server is shutting down; the request was not completed.")
+
+    def _admit(self, s: _Stream) -> None:
+        try:
+            self.engine.enqueue(s.seq)            # records `enqueued`
+        except Exception as e:                    # e.g. a duplicate request id: fail this one only
+            self._push(s, _Closed(f"{type(e).__name__}: {e}"))
+            return
+        self._streams[s.seq.request_id] = s
+
+    def _abort(self, a: _Abort) -> None:
+        if self._streams.pop(a.request_id, None) is not None:
+            self.engine.abort(a.request_id)       # records `finished` reason=abort, frees the slot
+            self.engine.pop_finished(a.request_id)
+        if a.then is not None:
+            try:
+                a.then()
+            except Exception:
+                log.exception("abort callback failed for %s", a.request_id)
+
+    def _step(self) -> None:
+        try:
+            outs = self.engine.step()
+        except Exception as e:   # a bug below step() (it fails a batch itself): end those requests, go on
+            self.failures += 1
+            log.exception("engine step failed")
+            for rid, s in list(self._streams.items()):
+                with contextlib.suppress(Exception):
+                    self.engine.abort(rid)
+                    self.engine.pop_finished(rid)
+                self._push(s, _Closed(f"engine error: {type(e).__name__}: {e}"))
+            self._streams.clear()
+            return
+        self.steps += 1
+        # One wake-up of each event loop per step, not one per token: at batch 64 that is one
+        # self-pipe write (and one loop iteration) per step instead of 64.
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+        for o in outs:
+            s = self._streams.get(o.request_id)
+            if s is None:
+                continue
+            if o.finished:
+                del self._streams[o.request_id]
+                self.engine.pop_finished(o.request_id)   # the engine keeps no history by itself
+            if s.every_output or o.finished:
+                by_loop.setdefault(s.loop, []).append((s.queue, o))
+        for loop, items in by_loop.items():
+            _call_soon(loop, _put_all, items)
+
+    def _push(self, s: _Stream, item: Any) -> None:
+        _call_soon(s.loop, _put_all, [(s.queue, item)])
+
+    def _close_all(self, message: str) -> None:
+        with self._cv:
+            self._stopping = True
+            inbox, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, []
+        for s in inbox:
+            self._push(s, _Closed(message))
+        for rid, s in list(self._streams.items()):
+            with contextlib.suppress(Exception):
+                self.engine.abort(rid)
+                self.engine.pop_finished(rid)
+            self._push(s, _Closed(message))
+        self._streams.clear()
+        for a in aborts:
+            if a.then is not None:
+                with contextlib.suppress(Exception):
+                    a.then()
+
+
+def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:      # that event loop is closed: nobody is listening any more
+        pass
+
+
+# ---------------------------------------------------------------------------------------------
+# What the app holds
+# ---------------------------------------------------------------------------------------------
+
+class ServingState:
+    """The model, the gateway, the engine thread and the recent traces; :func:`create_app`
+    puts HTTP in front of it."""
+
+    def __init__(self, config: ServerConfig | None = None, llm=None) -> None:
+        from .engine import LLM
+        config = config or ServerConfig()
+        self.config = config
+        if config.torch_threads:
+            import torch
+            torch.set_num_threads(config.torch_threads)
+        self.llm = llm if llm is not None else LLM(
+            model=config.model, tokenizer=config.tokenizer, device=config.device, dtype=config.dtype,
+            seed=config.seed, max_batch_size=config.max_batch_size, max_model_len=config.max_model_len)
+        self.engine = self.llm.engine
+        self.tokenizer = self.llm.tokenizer
+        self.model_name = config.served_model_name or str(config.model)
+        self.created = int(time.time())
+        self.auth = APIKeyAuth(config.api_keys)
+        limiter = (RateLimiter(config.requests_per_s, config.tokens_per_min, config.burst)
+                   if config.requests_per_s or config.tokens_per_min else None)
+        self.gateway = Gateway(self.auth, limiter, AdmissionControl(config.max_queue_depth), [self.model_name],
+                               self.engine.max_model_len, self._count_tokens,
+                               max_tokens_cap=config.max_tokens_cap)
+        self.loop = EngineLoop(self.engine)
+        self._traces: collections.deque[Trace] = collections.deque(maxlen=config.trace_history)
+        self._traces_lock = threading.Lock()
+
+    # -- prompts -------------------------------------------------------------------------
+    def prompt_text(self, req: CompletionRequest) -> str:
+        from .tokenizer import apply_chat
+        return apply_chat(self.tokenizer, req.prompt) if req.chat else req.prompt
+
+    def _count_tokens(self, req: CompletionRequest) -> int:
+        # The gateway needs the prompt length to check the context *before* queueing (vLLM's
+        # frontend does the same). prepare() tokenizes again: we pay twice (tens of µs for a
+        # chat-sized prompt) so that the trace's `tokenize` stage is the tokenizer's time.
+        from .tokenizer import encode_prompt
+        return len(encode_prompt(self.tokenizer, self.prompt_text(req)))
+
+    # -- traces --------------------------------------------------------------------------
+    def remember(self, trace: Trace) -> None:
+        with self._traces_lock:
+            self._traces.append(trace)
+
+    def traces(self, request_ids: list[str] | None = None, limit: int | None = None) -> list[Trace]:
+        """Traces of completed (and rejected) requests, oldest first. A trace is stored once its
+        response is complete and is never written to afterwards."""
+        with self._traces_lock:
+            out = list(self._traces)
+        if request_ids:
+            want = set(request_ids)
+            out = [t for t in out if t.request_id in want]
+        if limit is not None:
+            out = out[-limit:] if limit > 0 else []
+        return out
+
+    def trace(self, request_id: str) -> Trace:
+        found = self.traces([request_id])
+        if not found:
+            raise KeyError(f"no trace for request {request_id!r} (yet): a trace is stored when its response is complete")
+        return found[-1]
+
+    def clear_traces(self) -> None:
+        with self._traces_lock:
+            self._traces.clear()
+
+    # -- health --------------------------------------------------------------------------
+    def stats(self) -> dict[str, int]:
+        return {**self.loop.stats(), "admitted": self.gateway.admission.depth}
+
+    def idle(self) -> bool:
+        """True when nothing is inside: no stream, no sequence, every KV slot free, no admission held."""
+        s = self.stats()
+        return (s["running"] == 0 and s["waiting"] == 0 and s["streams"] == 0 and s["inbox"] == 0
+                and s["sequences"] == 0 and s["free_slots"] == s["num_slots"] and s["admitted"] == 0)
 
     def start(self) -> None:
         if self.auth.open:
-            banner = ("WARNING: no API key configured (--api-key or MINILLM_API_KEY): this server accepts "
-                      "requests from anyone who can reach it")
-            print("!" * len(banner) + "\n" + banner + "\n" + "!" * len(banner), file=sys.stderr, flush=True)
+            log.warning("no API key configured: the server is OPEN to anyone who can reach it")
         self.loop.start()
 
-    def stop(self) -> None:
+    def shutdown(self) -> None:
         self.loop.stop()
 
-    def traces(self) -> list[Trace]:
-        return list(self.loop.finished_traces) + list(self.rejected_traces)
+    # the names of an earlier draft of this module
+    stop = shutdown
 
 
-# ----------------------------------------------------------------------------- HTTP
+MiniServer = ServingState
 
-def _error(e: GatewayError):
+
+# ---------------------------------------------------------------------------------------------
+# HTTP helpers
+# ---------------------------------------------------------------------------------------------
+
+def _error_response(e: GatewayError, request_id: str | None = None):
     from fastapi.responses import JSONResponse
-    return JSONResponse(e.to_openai_error(), status_code=e.status, headers=e.headers)
+    headers = dict(e.headers)
+    if request_id:
+        headers["x-request-id"] = request_id
+    return JSONResponse(e.to_openai_error(), status_code=e.status, headers=headers)
 
 
-async def _read_json(request, limit: int) -> Any:
-    """The body as JSON, refusing more than ``limit`` bytes before reading them all."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise GatewayError(413, "request_too_large", f"The request body is {declared} bytes; the limit is {limit}.")
-    chunks, size = [], 0
+class _BodyTooLarge(Exception):
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(size, limit)
+        self.size, self.limit = size, limit
+
+
+async def _read_body(request, limit: int) -> bytes:
+    """The body, at most ``limit`` bytes. A larger one is read on (up to a hard cap) and dropped,
+    so that the client, which may still be writing, reads our 413 rather than a reset socket."""
+    declared = request.headers.get("content-length", "")
+    declared_n = int(declared) if declared.isdigit() else 0
+    too_large = declared_n > limit
+    chunks: list[bytes] = []
+    size = 0
+    if declared_n > _DRAIN_FACTOR * limit:        # not worth reading at all
+        raise _BodyTooLarge(declared_n, limit)
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise GatewayError(413, "request_too_large", f"The request body exceeds the limit of {limit} bytes.")
-        chunks.append(chunk)
-    try:
-        return json.loads(b"".join(chunks) or b"null")
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise GatewayError(400, "invalid_request", f"The request body is not valid JSON ({e}).") from None
+            too_large = True
+            chunks.clear()
+            if size > _DRAIN_FACTOR * limit:
+                break
+        elif not too_large:
+            chunks.append(chunk)
+    if too_large:
+        raise _BodyTooLarge(max(size, declared_n), limit)
+    return b"".join(chunks)
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+async def _wait_disconnect(receive) -> None:
+    """Return when the client has gone (or the response is complete): after the body, the
+    server's next ASGI message is ``http.disconnect``."""
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+@dataclass
+class _Job:
+    """One admitted request on the HTTP side. ``close`` runs once, whatever path ends it."""
+    state: ServingState
+    trace: Trace
+    admitted: AdmittedRequest
+    stream: _Stream
+    chat: bool
+    created: int
+    done: bool = False             # the engine has let it go (finished, failed): nothing to abort
+    closed: bool = False
+    n_sent: int = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.trace.request_id
+
+    @property
+    def seq(self):
+        return self.stream.seq
+
+    def sent(self, n_chars: int) -> None:
+        self.trace.record("sent", n_chars=n_chars)
+        self.n_sent += 1
+
+    def close(self, reason: str) -> None:
+        """Free the gateway's queue slot and end the trace; abort first if the engine still runs it."""
+        if self.closed:
+            return
+        self.closed = True
+        self.state.gateway.release(self.admitted)
+
+        def finish() -> None:
+            self.trace.record("finished", where="server", reason=reason, n_sent=self.n_sent)
+            self.state.remember(self.trace)
+
+        if self.done:
+            finish()
+        else:
+            # The engine thread frees the KV slot and records the engine's `finished` (abort);
+            # only then is the trace ended and stored, so a stored trace never changes again.
+            self.state.loop.abort(self.request_id, then=finish)
+
+    # -- bodies --------------------------------------------------------------------------
+    def chunk(self, delta: str, finish_reason: str | None, role: bool = False) -> dict[str, Any]:
+        if self.chat:
+            d: dict[str, Any] = {"role": "assistant", "content": ""} if role else ({"content": delta} if delta else {})
+            choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish_reason}
+            obj = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish_reason}
+            obj = "text_completion"
+        return {"id": self.request_id, "object": obj, "created": self.created,
+                "model": self.admitted.request.model, "choices": [choice]}
+
+    def usage_chunk(self) -> dict[str, Any]:
+        return {"id": self.request_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.admitted.request.model, "choices": [],
+                "usage": _usage(self.admitted.prompt_tokens, len(self.seq.output_ids))}
+
+    def final_body(self) -> dict[str, Any]:
+        seq = self.seq
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": seq.text},
+                      "logprobs": None, "finish_reason": seq.finish_reason}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": seq.text, "logprobs": None, "finish_reason": seq.finish_reason}
+            obj = "text_completion"
+        return {"id": self.request_id, "object": obj, "created": self.created,
+                "model": self.admitted.request.model, "choices": [choice],
+                "usage": _usage(self.admitted.prompt_tokens, len(seq.output_ids))}
 
 
-def create_app(server: MiniServer):
-    from fastapi import FastAPI
+def _engine_error(job: _Job) -> GatewayError:
+    return GatewayError(500, "engine_error", f"The engine failed on this request: {job.seq.error}")
+
+
+async def _sse_body(job: _Job) -> AsyncIterator[str]:
+    """The event stream of one request. Each ``sent`` is recorded when the generator is resumed,
+    which Starlette does only after the previous chunk was handed to the socket."""
+    queue = job.stream.queue
+    reason = "disconnected"         # unless we reach the end
+    try:
+        if job.chat:                # OpenAI's first chat chunk carries the role only
+            yield _sse(job.chunk("", None, role=True))
+            job.sent(0)
+        while True:
+            item = await queue.get()
+            if isinstance(item, _Closed):
+                job.done, reason = True, "error"
+                yield _sse(GatewayError(503, "server_shutting_down", item.message).to_openai_error())
+                break
+            if item.finished:
+                job.done = True
+            if item.finish_reason == "error":
+                reason = "error"
+                yield _sse(_engine_error(job).to_openai_error())
+                break
+            if item.delta or item.finished:
+                yield _sse(job.chunk(item.delta, item.finish_reason if item.finished else None))
+                job.sent(len(item.delta))
+            if item.finished:
+                reason = item.finish_reason
+                if job.admitted.request.include_usage:
+                    yield _sse(job.usage_chunk())
+                    job.sent(0)
+                break
+        yield "data: [DONE]\n\n"
+        job.sent(0)
+    finally:
+        job.close(reason)
+
+
+def _response_classes():
     from fastapi.responses import JSONResponse, StreamingResponse
 
+    class TracedJSONResponse(JSONResponse):
+        """A complete (non-streamed) body whose `sent` is stamped once it is on the socket."""
+
+        def __init__(self, job: _Job, content: Any) -> None:
+            self.job = job
+            super().__init__(content, headers={"x-request-id": job.request_id})
+
+        async def __call__(self, scope, receive, send) -> None:
+            reason = self.job.seq.finish_reason or "stop"
+            try:
+                await super().__call__(scope, receive, send)
+                self.job.sent(len(self.body))
+            except BaseException:
+                reason = "disconnected"
+                raise
+            finally:
+                self.job.close(reason)
+
+    class SSEResponse(StreamingResponse):
+        """Server-sent events. Starlette cancels the body when the client disconnects; this
+        ``finally`` also closes the job when the body generator never got to start."""
+
+        def __init__(self, job: _Job) -> None:
+            self.job = job
+            super().__init__(_sse_body(job), media_type="text/event-stream",
+                             headers={"x-request-id": job.request_id, "cache-control": "no-cache"})
+
+        async def __call__(self, scope, receive, send) -> None:
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                with contextlib.suppress(BaseException):
+                    await self.body_iterator.aclose()
+                self.job.close("disconnected")      # a no-op when the generator closed it
+
+    return TracedJSONResponse, SSEResponse
+
+
+# ---------------------------------------------------------------------------------------------
+# The app
+# ---------------------------------------------------------------------------------------------
+
+def create_app(config: ServerConfig | ServingState | None = None, *, llm=None):
+    """The FastAPI app over a :class:`ServingState` (built from ``config`` unless given one).
+    ``llm`` reuses an already built :class:`minillm.LLM`; its engine then belongs to the server."""
+    from fastapi import FastAPI
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, Response
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+    from starlette.requests import ClientDisconnect
+
+    state = config if isinstance(config, ServingState) else ServingState(config, llm=llm)
+    TracedJSONResponse, SSEResponse = _response_classes()
+
     @contextlib.asynccontextmanager
-    async def lifespan(_app):
-        server.start()
+    async def lifespan(app):
+        # Pay the first request's one-off costs now, not on its TTFT: anyio (under Starlette's
+        # streaming responses) imports its asyncio backend lazily, ~10 ms on a laptop CPU (10.1).
+        with contextlib.suppress(Exception):
+            import anyio
+            anyio.get_current_task()
+        state.start()
         try:
             yield
         finally:
-            server.stop()
+            await asyncio.to_thread(state.shutdown)
 
-    app = FastAPI(title="minillm", lifespan=lifespan)
-    app.state.server = server
-
-    def check_key(request: Request) -> None:
-        server.auth.check(request.headers.get("authorization"))
+    app = FastAPI(title="minillm", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.minillm = state
+    app.state.server = state          # the name of an earlier draft
 
     @app.exception_handler(GatewayError)
-    async def _gateway_error(_request, e: GatewayError):
-        return _error(e)
+    async def _gateway_error(request: Request, e: GatewayError):
+        return _error_response(e)
 
-    @app.get("/v1/models")
-    async def models(request: Request):
-        check_key(request)
-        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
-                                            "owned_by": "minillm", "max_model_len": server.gateway.max_model_len}]}
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "http_error")
+        return _error_response(GatewayError(e.status_code, code, str(e.detail)))
 
-    @app.get("/v1/traces")
-    async def traces(request: Request, limit: int = 1000):
-        """The last ``limit`` traces (finished and rejected requests), as plain data."""
-        check_key(request)
-        items = server.traces()[-max(1, min(limit, 100_000)):]
-        return {"object": "list", "data": [{"request_id": t.request_id, "events": t.to_records()} for t in items]}
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError):
+        return _error_response(GatewayError(400, "invalid_request", str(e)))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, e: Exception):
+        log.exception("unhandled error on %s", request.url.path)
+        return _error_response(GatewayError(500, "internal_error", f"Internal server error ({type(e).__name__})."))
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "running": server.llm.engine.num_running, "waiting": server.llm.engine.num_waiting}
+        ok = state.loop.alive
+        return JSONResponse({"status": "ok" if ok else "stopped", **state.stats()}, status_code=200 if ok else 503)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        state.auth.check(request.headers.get("authorization"))
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
+                                            "owned_by": "minillm", "max_model_len": state.engine.max_model_len}]}
+
+    @app.get("/v1/traces")
+    async def traces(request: Request):
+        """Plain-JSON traces of recent requests: ``?request_id=a&request_id=b`` (or ``a,b``), ``?limit=N``."""
+        state.auth.check(request.headers.get("authorization"))
+        ids = [i for v in request.query_params.getlist("request_id") for i in v.split(",") if i]
+        limit = request.query_params.get("limit")
+        if limit is not None and not limit.isdigit():
+            raise GatewayError(400, "invalid_request", f"'limit' must be a non-negative integer, got {limit!r}.",
+                               param="limit")
+        found = state.traces(ids or None, int(limit) if limit is not None else None)
+        return {"object": "list",
+                "data": [{"request_id": t.request_id, "events": [e.as_dict() for e in t.events]} for t in found]}
+
+    async def handle(request: Request, chat: bool):
+        from .engine import RequestError
+        from .sampling import SamplingParams
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        trace = Trace(rid)
+        trace.record("received", path=request.url.path)
+        authorization = request.headers.get("authorization")
+        admitted: AdmittedRequest | None = None
+        try:
+            try:
+                body = json.loads(await _read_body(request, state.config.max_body_bytes))
+            except ClientDisconnect:        # gone while sending the body: nobody to answer
+                trace.record("rejected", status=499, code="client_disconnected")
+                state.remember(trace)
+                return Response(status_code=499)
+            except (_BodyTooLarge, ValueError, RecursionError) as e:
+                # Auth first even here: a stranger learns nothing, not even that the body was bad.
+                trace.record("authenticated", key_id=state.auth.check(authorization))
+                if isinstance(e, _BodyTooLarge):
+                    raise GatewayError(413, "request_too_large",
+                                       f"The request body has {e.size} bytes; this server accepts at most "
+                                       f"{e.limit} bytes (max_body_bytes).") from None
+                raise GatewayError(400, "invalid_request",
+                                   f"The request body is not valid JSON ({type(e).__name__}: {e})."[:300]) from None
+            admitted = state.gateway.admit(authorization, body, chat=chat, trace=trace)
+            try:
+                params = SamplingParams(**admitted.sampling_kwargs())
+                seq = state.engine.prepare(state.prompt_text(admitted.request), params, request_id=rid, trace=trace)
+            except (RequestError, ValueError) as e:
+                raise GatewayError(400, "invalid_request", str(e)) from None
+            stream = state.loop.submit(seq, every_output=admitted.request.stream)
+        except GatewayError as e:
+            if admitted is not None:
+                state.gateway.release(admitted)
+            if trace.last("rejected") is None:
+                trace.record("rejected", status=e.status, code=e.code)
+            state.remember(trace)
+            return _error_response(e, rid)
+
+        job = _Job(state, trace, admitted, stream, chat, int(time.time()))
+        if admitted.request.stream:
+            return SSEResponse(job)
+        return await complete(job, request)
+
+    async def complete(job: _Job, request: Request):
+        """Not streamed: wait for the final output — or for the client to give up."""
+        gone = asyncio.ensure_future(_wait_disconnect(request.receive))
+        got = asyncio.ensure_future(job.stream.queue.get())
+        try:
+            done, _ = await asyncio.wait({gone, got}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:               # cancelled (e.g. a forced shutdown): leave nothing behind
+            got.cancel()
+            job.close("disconnected")
+            raise
+        finally:
+            gone.cancel()
+        if got not in done:
+            got.cancel()
+            job.close("disconnected")       # aborts: the KV slot is free by the next step
+            return Response(status_code=499)   # nobody will read it
+        item = got.result()
+        job.done = True
+        if isinstance(item, _Closed):
+            job.close("error")
+            return _error_response(GatewayError(503, "server_shutting_down", item.message,
+                                                headers={"Retry-After": "1"}), job.request_id)
+        if item.finish_reason == "error":
+            job.close("error")
+            return _error_response(_engine_error(job), job.request_id)
+        return TracedJSONResponse(job, job.final_body())
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await _handle(request, chat=False)
+        return await handle(request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await _handle(request, chat=True)
-
-    async def _handle(request: Request, chat: bool):
-        rid = uuid.uuid4().hex[:16]
-        trace = Trace(rid)
-        trace.record("received")
-        try:
-            body = await _read_json(request, server.config.max_body_bytes)
-            admitted, ids = server.admit(request.headers.get("authorization"), body, chat, trace)
-        except GatewayError as e:
-            if trace.last("rejected") is None:
-                trace.record("rejected", status=e.status, code=e.code)
-            server.rejected_traces.append(trace)
-            return _error(e)
-        try:
-            params = SamplingParams(**admitted.sampling_kwargs())
-            seq = server.llm.engine.prepare(ids, params, request_id=rid, trace=trace)
-            seq.prompt = admitted.request.prompt if not chat else None
-            sub = _Subscriber(asyncio.get_running_loop(), asyncio.Queue())
-            server.loop.submit(seq, sub)
-        except (RequestError, ValueError) as e:
-            server.gateway.release(admitted)
-            trace.record("rejected", status=400, code="invalid_request")
-            server.rejected_traces.append(trace)
-            return _error(GatewayError(400, "invalid_request", str(e)))
-        except RuntimeError as e:           # shutting down
-            server.gateway.release(admitted)
-            return _error(GatewayError(503, "unavailable", str(e)))
-        meta = dict(id=("chatcmpl-" if chat else "cmpl-") + rid, created=int(time.time()),
-                    model=admitted.request.model)
-        if admitted.request.stream:
-            return StreamingResponse(_stream(request, admitted, sub, trace, meta, chat), media_type="text/event-stream",
-                                     headers={"X-Request-Id": rid, "Cache-Control": "no-cache"})
-        return await _complete(request, admitted, sub, trace, meta, chat)
-
-    async def _outputs(request: Request, admitted, sub: _Subscriber, rid: str) -> AsyncIterator[tuple]:
-        """The request's StepOutputs as they come; aborts the request if the client leaves."""
-        finished = False
-        try:
-            while True:
-                try:
-                    item = await asyncio.wait_for(sub.queue.get(), timeout=1.0)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        return
-                    continue
-                yield item
-                if item[0].finished:
-                    finished = True
-                    return
-        finally:
-            if not finished:
-                server.loop.abort(rid)      # client gone (or cancelled): free the KV slot now
-            server.gateway.release(admitted)
-
-    async def _complete(request, admitted, sub, trace: Trace, meta: dict, chat: bool):
-        text, reason, n_out, error = [], None, 0, None
-        async for o, n, err in _outputs(request, admitted, sub, trace.request_id):
-            text.append(o.delta)
-            if o.finished:
-                reason, n_out, error = o.finish_reason, n or 0, err
-        if reason is None:                  # the client left: nobody reads this
-            return JSONResponse({}, status_code=499)
-        if reason in ("error", "abort"):
-            return _error(GatewayError(500 if reason == "error" else 503, "engine_error",
-                                       f"the request failed in the engine: {error}"))
-        out = "".join(text)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": out}, "finish_reason": reason}
-                  if chat else {"index": 0, "text": out, "logprobs": None, "finish_reason": reason})
-        body = {**meta, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
-                "usage": _usage(admitted.prompt_tokens, n_out)}
-        trace.record("sent", n_chars=len(out))
-        return JSONResponse(body, headers={"X-Request-Id": trace.request_id})
-
-    async def _stream(request, admitted, sub, trace: Trace, meta: dict, chat: bool):
-        obj = "chat.completion.chunk" if chat else "text_completion"
-
-        def chunk(delta: str | None, reason: str | None) -> dict:
-            if chat:
-                d = {} if delta is None else {"content": delta}
-                c = {"index": 0, "delta": d, "finish_reason": reason}
-            else:
-                c = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": reason}
-            return {**meta, "object": obj, "choices": [c]}
-
-        if chat:   # OpenAI sends the role first, with empty content
-            yield _sse({**meta, "object": obj, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                            "finish_reason": None}]})
-        async for o, n, err in _outputs(request, admitted, sub, trace.request_id):
-            if o.finished and o.finish_reason in ("error", "abort"):
-                yield _sse({"error": {"message": f"the request failed in the engine: {err}", "type": "server_error",
-                                      "param": None, "code": "engine_error"}})
-                return
-            if o.delta or o.finished:
-                yield _sse(chunk(o.delta if (o.delta or not chat) else None, o.finish_reason if o.finished else None))
-                trace.record("sent", n_chars=len(o.delta))
-            if o.finished:
-                if admitted.request.include_usage:
-                    yield _sse({**meta, "object": obj, "choices": [], "usage": _usage(admitted.prompt_tokens, n or 0)})
-                yield "data: [DONE]\n\n"
-                return
+        return await handle(request, chat=True)
 
     return app
 
 
-# ----------------------------------------------------------------------------- running it
+# ---------------------------------------------------------------------------------------------
+# Running it
+# ---------------------------------------------------------------------------------------------
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
@@ -408,57 +788,123 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-class ServerThread:
-    """Run the app with uvicorn in a background thread (notebooks, tests, benchmarks).
+def _uvicorn_server(app, host: str, port: int, log_level: str, graceful_timeout_s: float):
+    import uvicorn
 
-        srv = ServerThread(create_app(MiniServer(ServerConfig(model="tiny")))).start()
-        ... httpx.post(srv.url + "/v1/completions", ...) ...
+    class _Server(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            # Stop the engine *before* waiting for connections to drain: each open stream then
+            # ends at once (an error event, then [DONE]) instead of running on to max_tokens.
+            await asyncio.to_thread(app.state.minillm.shutdown)
+            await super().shutdown(sockets)
+
+    cfg = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+                         timeout_graceful_shutdown=graceful_timeout_s, access_log=log_level == "debug")
+    return _Server(cfg)
+
+
+class ServerThread:
+    """Run the server in a background thread (notebooks, tests, benchmarks)::
+
+        srv = ServerThread(ServerConfig(model="tiny", port=0)).start()
+        httpx.post(srv.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 8})
+        srv.traces()          # the requests' traces, as Trace objects
         srv.stop()
+
+    Takes a :class:`ServerConfig` (``port=0``: a free port; ``url`` says which one), a
+    :class:`ServingState` or an app from :func:`create_app`. ``stop()`` stops the engine thread,
+    ends the open streams, lets uvicorn finish and joins its thread: nothing is left running.
     """
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int | None = None, log_level: str = "warning"):
-        import uvicorn
-        self.host, self.port = host, port or free_port(host)
-        self.server = uvicorn.Server(uvicorn.Config(app, host=self.host, port=self.port, log_level=log_level,
-                                                    lifespan="on", timeout_graceful_shutdown=5))
-        self._thread = threading.Thread(target=self.server.run, name="minillm-http", daemon=True)
+    def __init__(self, app_or_config: Any = None, *, host: str | None = None, port: int | None = None,
+                 log_level: str | None = None) -> None:
+        if app_or_config is None:
+            app_or_config = ServerConfig(port=0)
+        if isinstance(app_or_config, (ServerConfig, ServingState)):
+            self.app = create_app(app_or_config)
+        else:
+            self.app = app_or_config
+        cfg: ServerConfig = self.app.state.minillm.config
+        self.config = cfg
+        self.host = host or cfg.host
+        self._port_asked = cfg.port if port is None else port
+        self._server = _uvicorn_server(self.app, self.host, self._port_asked, log_level or cfg.log_level,
+                                       cfg.graceful_timeout_s)
+        self._thread: threading.Thread | None = None
+        self.port: int | None = None
+
+    @property
+    def state(self) -> ServingState:
+        return self.app.state.minillm
 
     @property
     def url(self) -> str:
+        if self.port is None:
+            raise RuntimeError("the server is not started: call start() first")
         return f"http://{self.host}:{self.port}"
 
-    def start(self, timeout: float = 30.0) -> "ServerThread":
+    def traces(self, request_ids: list[str] | None = None) -> list[Trace]:
+        return self.state.traces(request_ids)
+
+    def start(self, timeout: float = 120.0) -> "ServerThread":
+        if self._thread is not None:
+            return self
+        self._thread = threading.Thread(target=self._server.run, name="minillm-uvicorn", daemon=True)
         self._thread.start()
-        t0 = time.time()
-        while not self.server.started:
+        t_end = time.monotonic() + timeout
+        while not self._server.started:
             if not self._thread.is_alive():
-                raise RuntimeError(f"the server did not start on {self.url}")
-            if time.time() - t0 > timeout:
-                raise TimeoutError(f"the server did not start within {timeout} s")
-            time.sleep(0.02)
+                self._thread = None
+                raise RuntimeError(f"the server failed to start on {self.host}:{self._port_asked}")
+            if time.monotonic() > t_end:
+                self.stop()
+                raise TimeoutError(f"the server did not start within {timeout:.0f} s")
+            time.sleep(0.01)
+        self.port = self._server.servers[0].sockets[0].getsockname()[1]
         return self
 
-    def stop(self, timeout: float = 15.0) -> None:
-        self.server.should_exit = True
-        self._thread.join(timeout)
+    def stop(self, timeout: float = 30.0) -> None:
+        t = self._thread
+        if t is None:
+            return
+        self._server.should_exit = True
+        t.join(timeout)
+        if t.is_alive():
+            self._server.force_exit = True
+            t.join(5)
+        self.state.shutdown()          # idempotent; covers a server that never reached shutdown()
+        self._thread = None
 
     def __enter__(self) -> "ServerThread":
         return self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: Any) -> None:
         self.stop()
 
 
-def serve(config: ServerConfig, host: str = "127.0.0.1", port: int = 8000) -> None:
-    import uvicorn
-    server = MiniServer(config)
-    print(f"minillm serving {server.model_name} on http://{host}:{port}/v1 "
-          f"(max_model_len {server.gateway.max_model_len}, keys: {len(server.auth.key_ids)})", file=sys.stderr)
-    uvicorn.run(create_app(server), host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+def open_warning(config: ServerConfig) -> str | None:
+    """The banner printed when no API key is configured."""
+    if config.api_keys:
+        return None
+    bar = "!" * 96
+    return (f"{bar}\n!! WARNING: no API key configured (--api-key or MINILLM_API_KEY): this server is OPEN.\n"
+            f"!! Anyone who can reach http://{config.host}:{config.port} can use it.\n{bar}")
 
 
-def config_from_args(a) -> ServerConfig:
-    return ServerConfig(model=a.model, tokenizer=a.tokenizer, device=a.device, dtype=a.dtype,
-                        api_keys=keys_from_env_and_args(a.api_key), requests_per_s=a.requests_per_s,
-                        tokens_per_min=a.tokens_per_min, max_queue_depth=a.max_queue_depth,
-                        max_batch_size=a.max_batch_size, max_model_len=a.max_model_len)
+def serve(config: ServerConfig, host: str | None = None, port: int | None = None) -> int:
+    """Run in the foreground until Ctrl-C (``python -m minillm serve``)."""
+    host = host or config.host
+    port = config.port if port is None else port
+    config.host, config.port = host, port
+    logging.basicConfig(level=getattr(logging, config.log_level.upper(), logging.INFO),
+                        format="%(levelname)s:     %(name)s: %(message)s")
+    warning = open_warning(config)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+    app = create_app(config)
+    st: ServingState = app.state.minillm
+    print(f"minillm serving {st.model_name} ({st.llm.device}, max_model_len {st.engine.max_model_len}, "
+          f"{st.engine.cache.num_slots} KV slots, {len(st.auth.key_ids)} API key(s)) at http://{host}:{port}/v1",
+          file=sys.stderr, flush=True)
+    _uvicorn_server(app, host, port, config.log_level, config.graceful_timeout_s).run()
+    return 0
