@@ -56,19 +56,23 @@ class Scheduler:
 
     def _admit_waiting(self) -> list[Sequence]:
         admitted: list[Sequence] = []
-        tokens = 0
+        tokens, longest = 0, 0
         while self.waiting and self.cache.num_free and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
-            # A prompt longer than the whole budget still runs, alone, so it cannot starve.
-            if admitted and tokens + seq.num_prompt_tokens > self.max_num_batched_tokens:
+            # The prefill batch is padded to its longest prompt, so the budget counts padded
+            # tokens (rows × longest): one 1000-token prompt must not turn three short ones into
+            # 4000 tokens of work. A prompt longer than the whole budget still runs, alone.
+            padded = (len(admitted) + 1) * max(longest, seq.num_prompt_tokens)
+            if admitted and padded > self.max_num_batched_tokens:
                 break
+            longest = max(longest, seq.num_prompt_tokens)
             self.waiting.popleft()
             seq.slot = self.cache.allocate(seq.request_id)
             seq.status = Status.RUNNING
             self.running.append(seq)
             seq.trace.record("scheduled", slot=seq.slot, queue_depth=len(self.waiting))
             admitted.append(seq)
-            tokens += seq.num_prompt_tokens
+            tokens = len(admitted) * longest
             if tokens >= self.max_num_batched_tokens:
                 break
         return admitted

@@ -185,3 +185,16 @@ def test_a_failing_step_ends_its_batch_and_the_engine_goes_on(tiny_llm, monkeypa
     eng.pop_finished(rid)
     out = tiny_llm.generate([[3, 4, 5]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 4
+
+
+def test_prefill_budget_counts_padded_tokens():
+    """A prefill batch is padded to its longest prompt: 3 prompts (400, 100, 100 tokens) cost
+    3 × 400 = 1200 padded tokens, over a budget of 1000, so only the first two go together."""
+    llm = LLM(model="tiny", device="cpu", dtype="fp32", max_batch_size=8, max_num_batched_tokens=1000)
+    eng = llm.engine
+    p = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    ids = [eng.add_request([5] * n, p) for n in (400, 100, 100)]
+    eng.step()
+    started = [eng.get(i).trace.first("prefill_start") is not None for i in ids]
+    assert started == [True, True, False]
+    assert eng.get(ids[0]).trace.first("prefill_start").extra["batch_size"] == 2
