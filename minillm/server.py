@@ -102,6 +102,8 @@ class ServerConfig:
             raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
         if self.trace_history < 1:
             raise ValueError(f"trace_history must be ≥ 1, got {self.trace_history}")
+        if self.port is not None and not 0 <= self.port <= 65535:   # before loading a model
+            raise ValueError(f"port must be in 0..65535 (0: any free port), got {self.port}")
 
 
 def config_from_args(a) -> ServerConfig:
