@@ -1,4 +1,4 @@
-"""``python -m minillm <command>``: generate, bench, doctor (and roofline, serve)."""
+"""``python -m minillm <command>``: roofline (the main job), generate, bench, serve, bench-http, doctor."""
 from __future__ import annotations
 
 import argparse
