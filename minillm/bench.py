@@ -81,7 +81,11 @@ def to_transformers(model) -> torch.nn.Module:
         hf_cfg, cls = LlamaConfig(**kw, attention_bias=c.attention_bias), LlamaForCausalLM
     with torch.device("meta"):
         hf = cls(hf_cfg)
-    hf.load_state_dict(model.state_dict(), strict=False, assign=True)
+    res = hf.load_state_dict(model.state_dict(), strict=False, assign=True)
+    missing = [k for k in res.missing_keys if "rotary_emb" not in k and not (c.tie_word_embeddings and k == "lm_head.weight")]
+    if missing or res.unexpected_keys:   # a renamed key would stay on the meta device and fail later
+        raise ValueError(f"weights do not map onto transformers' model: missing {missing[:3]}, "
+                         f"unexpected {res.unexpected_keys[:3]}")
     hf.tie_weights()
     # buffers are not in the state dict: rebuild the rotary embedding (its inv_freq) for real
     rot = hf.model.rotary_emb

@@ -25,11 +25,18 @@ def capture_decode(model, cache, tokens: torch.Tensor, meta, warmup: int = 3) ->
             model(tokens, cache, meta)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        logits = model(tokens, cache, meta)     # [B, 1, V], lives in the graph's memory pool
+    try:
+        with torch.cuda.graph(graph):
+            logits = model(tokens, cache, meta)     # [B, 1, V], lives in the graph's memory pool
+    except RuntimeError as e:
+        # capture_end() replaces the real error (often out of memory) with "operation failed
+        # due to a previous error during capture": report the cause
+        raise (e.__context__ or e) from None
+    static = (tokens, meta, cache)                  # the graph reads these addresses: keep them alive
 
     def replay() -> torch.Tensor:
         graph.replay()
         return logits
 
+    replay.graph, replay.static = graph, static     # type: ignore[attr-defined]
     return replay

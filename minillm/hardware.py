@@ -146,6 +146,9 @@ T, G = 1e12, 1e9
 # GeForce cards: the FP16/BF16 tensor figure *with FP32 accumulate* (what PyTorch matmuls use).
 GPU_SPECS: list[tuple[tuple[str, ...], GPUSpec]] = [
     # NVIDIA H200 datasheet (nvidia.com/en-us/data-center/h200): 4.8 TB/s, BF16 1,979 TF sparse, FP32 67 TF
+    # H200 NVL (same datasheet): 4.8 TB/s, BF16 1,671 TF sparse, FP32 60 TF
+    (("H200", "NVL"), GPUSpec("H200 NVL 141GB", 4.8 * T, {"bf16": 835.5 * T, "fp16": 835.5 * T, "fp32": 60 * T},
+                              "NVIDIA H200 datasheet")),
     (("H200",), GPUSpec("H200 SXM 141GB", 4.8 * T, {"bf16": 989.5 * T, "fp16": 989.5 * T, "fp32": 67 * T},
                         "NVIDIA H200 datasheet")),
     # NVIDIA H100 datasheet (nvidia.com/en-us/data-center/h100): SXM 3.35 TB/s, BF16 1,979 TF sparse, FP32 67 TF;

@@ -87,6 +87,7 @@ class AttnMeta:
     slots: torch.Tensor         # [B]
     kv_len: int                 # read cache positions [0, kv_len)
     slot_range: tuple[int, int] | None = None   # set when slots are a contiguous range
+    causal: bool = False        # a prefill from position 0: plain causal attention, no mask tensor
 
 
 def build_attn_meta(slots: list[int], start_pos: list[int], num_new: list[int], scratch_pos: int,
@@ -101,7 +102,11 @@ def build_attn_meta(slots: list[int], start_pos: list[int], num_new: list[int], 
     slots_t = torch.tensor(slots)
     mask = None
     uniform = all(s + n == kv_len for s, n in zip(start_pos, num_new))
-    if not (T == 1 and uniform):   # decode with equal lengths needs no mask
+    # A prefill from position 0 needs only causal attention (kv_len == T): padded queries read
+    # garbage but their logits are dropped, and real ones never see past themselves. No mask
+    # tensor lets SDPA pick a fused kernel; a mask with GQA forces the slow math path on CUDA.
+    causal = T > 1 and all(s == 0 for s in start_pos)
+    if not (T == 1 and uniform) and not causal:   # decode with equal lengths needs no mask either
         key = torch.arange(kv_len)
         mask = (key[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, kv_len]
     contiguous = slots == list(range(slots[0], slots[0] + B))
@@ -109,7 +114,7 @@ def build_attn_meta(slots: list[int], start_pos: list[int], num_new: list[int], 
         slots_bt=slots_t[:, None].expand(B, T).to(device), write_pos=write_pos.to(device),
         positions=positions.to(device), mask=None if mask is None else mask.to(device),
         slots=slots_t.to(device), kv_len=kv_len,
-        slot_range=(slots[0], slots[0] + B) if contiguous else None)
+        slot_range=(slots[0], slots[0] + B) if contiguous else None, causal=causal)
 
 
 class Attention(nn.Module):
@@ -137,7 +142,8 @@ class Attention(nn.Module):
         else:
             cache.write(self.layer_idx, meta.slots_bt, meta.write_pos, k, v)
             kc, vc = cache.read(self.layer_idx, meta.slots, meta.kv_len, meta.slot_range)  # [B, KVH, L, D]
-            y = F.scaled_dot_product_attention(q, kc, vc, attn_mask=meta.mask, enable_gqa=True)
+            y = F.scaled_dot_product_attention(q, kc, vc, attn_mask=meta.mask, is_causal=meta.causal,
+                                               enable_gqa=True)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # [B, T, H*D]
         return self.o_proj(y)                                           # [B, T, hidden]
 

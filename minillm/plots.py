@@ -91,12 +91,12 @@ def save_roofline_figure(result: dict, references: list[dict] | None = None,
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
     from .figures import save_figure
-    import json
     fig = plot_roofline(result, references)
     paths = save_figure(fig, name, stamp_of(result), out_dir)
     plt.close(fig)
     # the figure's own data beside it (figures/data/NAME.json), so it can be redrawn and checked
     data = paths[0].parent / "data" / f"{name}.json"
     data.parent.mkdir(exist_ok=True)
-    data.write_text(json.dumps(result, indent=1, default=str))
+    from .sweep import dumps_strict
+    data.write_text(dumps_strict(result))
     return paths

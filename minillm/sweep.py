@@ -124,7 +124,7 @@ class SweepResult:
         out.mkdir(parents=True, exist_ok=True)
         stem = stem or f"roofline-{self.model}-{self.dtype}-{self.device.split(':')[0]}"
         jp, cp = out / f"{stem}.json", out / f"{stem}.csv"
-        jp.write_text(json.dumps(self.to_dict(), indent=1, default=_json_default))
+        jp.write_text(dumps_strict(self.to_dict()))
         cols = ["batch", "status", "context", "forward_ms_median", "engine_ms_median", "per_request_tok_s",
                 "aggregate_tok_s", "engine_aggregate_tok_s", "achieved_bw", "mbu", "mfu", "bound_tok_s", "pct_of_bound"]
         lines = [",".join(cols)] + [",".join("" if getattr(b, c) is None else str(getattr(b, c)) for c in cols)
@@ -161,8 +161,30 @@ def _json_default(o):
     return str(o)
 
 
+_NONFINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
+
+
+def _finite(o):
+    """Strict JSON has no Infinity/NaN (B* is infinite when KV traffic outgrows compute)."""
+    if isinstance(o, float) and not math.isfinite(o):
+        return str(o)
+    if isinstance(o, dict):
+        return {k: _finite(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_finite(v) for v in o]
+    return o
+
+
+def dumps_strict(d: dict) -> str:
+    return json.dumps(_finite(d), indent=1, default=_json_default, allow_nan=False)
+
+
+def _restore(d: dict) -> dict:
+    return {k: _NONFINITE.get(v, v) if isinstance(v, str) else v for k, v in d.items()}
+
+
 def load_result(path: str | Path) -> dict:
-    return json.loads(Path(path).read_text())
+    return json.loads(Path(path).read_text(), object_hook=_restore)
 
 
 # ---------------------------------------------------------------------------- timing
@@ -213,10 +235,23 @@ def _forward_fn(engine, seqs: list[Sequence], use_graphs: bool):
 
 @torch.inference_mode()
 def measure_batch(engine, batch: int, context: int, warmup: int, steps: int, use_graphs: bool) -> BatchResult:
+    need = context + warmup + 2 * steps + 2            # the engine steps advance the sequences
+    if engine.max_model_len < need:
+        # the KV cache shrank to fit memory: writing past it is a device-side assert on CUDA
+        raise MemoryError(f"out of memory: the KV cache for batch {batch} holds {engine.max_model_len} "
+                          f"tokens per slot, the sweep needs {need}")
     seqs = fill_running_batch(engine, batch, context)
+
+    def engine_step_checked():
+        outs = engine.step()
+        failed = [o for o in outs if o.finish_reason == "error"]
+        if failed or len(outs) != batch:      # a failed step returns fast: never time it as "ok"
+            raise RuntimeError(engine.get(failed[0].request_id).error if failed else
+                               f"the running batch shrank to {len(outs)}")
+
     try:
         fwd = _time_steps(_forward_fn(engine, seqs, use_graphs), engine.device, warmup, steps)
-        eng = _time_steps(engine.step, engine.device, 1, steps)
+        eng = _time_steps(engine_step_checked, engine.device, 1, steps)
     finally:
         for s in seqs:
             engine.abort(s.request_id)
@@ -249,7 +284,9 @@ def run_sweep(model: str | None = None, device: str | None = None, dtype: str | 
               batches: list[int] | None = None, context: int | None = None, warmup: int = 3, steps: int = 10,
               cuda_graphs: bool = True, measure_ceilings: bool = True, progress: bool = True,
               command: str | None = None, copy_bytes: int | None = None, matmul_n: int | None = None,
-              seed: int = 0) -> SweepResult:
+              seed: int = 0, partial_path: str | Path | None = None) -> SweepResult:
+    """Sweep decode batches (see the module docstring). ``partial_path``: append each batch's result there as one JSON line as soon as it is
+    measured, so a sweep killed by a time limit keeps what it measured."""
     from .engine import LLMEngine
     from .hardware import default_dtype, parse_dtype, pick_device
     from .loader import load_model
@@ -280,6 +317,9 @@ def run_sweep(model: str | None = None, device: str | None = None, dtype: str | 
         ceil = {"bandwidth": bw, "peak_flops": peak, "source": "spec"}
 
     results: list[BatchResult] = []
+    if partial_path is not None:               # this run's rows only
+        Path(partial_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(partial_path).write_text("")
     it = batches
     bar = None
     if progress:
@@ -301,8 +341,14 @@ def run_sweep(model: str | None = None, device: str | None = None, dtype: str | 
         finally:
             del engine
             if dev.type == "cuda":
-                torch.cuda.empty_cache()
+                try:
+                    torch.cuda.empty_cache()
+                except RuntimeError:          # a sticky CUDA error: the row already says why
+                    pass
         results.append(r)
+        if partial_path is not None:
+            with open(partial_path, "a") as f:
+                f.write(json.dumps(_finite(asdict(r)), allow_nan=False) + "\n")
         if bar is not None and r.status == "ok":
             bar.set_postfix_str(f"B={b}: {r.aggregate_tok_s:.0f} tok/s")
     ok = [r for r in results if r.status == "ok"]

@@ -19,23 +19,25 @@ PY="${PYTHON:-python3}"
 step() { echo; echo "=== $* ($(date +%T))"; }
 
 step doctor
-$PY -m minillm doctor 2>&1 | tee "$OUT/doctor.txt"
+timeout 30 $PY -m minillm doctor 2>&1 | tee "$OUT/doctor.txt"
 
 step "roofline sweep: llama-3.1-8b bf16, batches 1..512, CUDA graphs on"
-timeout 300 $PY -m minillm roofline --model llama-3.1-8b --dtype bf16 --max-batch 512 --context 512 \
+timeout 240 $PY -m minillm roofline --model llama-3.1-8b --dtype bf16 --max-batch 512 --context 512 \
     --out "$OUT" --figures "$OUT" 2>&1 | tee "$OUT/roofline.txt"
 
 step "batch 1 (and 8), CUDA graphs off"
 mkdir -p "$OUT/nographs"
-timeout 120 $PY -m minillm roofline --model llama-3.1-8b --dtype bf16 --batches 1,8 --context 512 \
+timeout 90 $PY -m minillm roofline --model llama-3.1-8b --dtype bf16 --batches 1,8 --context 512 \
     --no-cuda-graphs --out "$OUT/nographs" --figures "$OUT/nographs" 2>&1 | tee "$OUT/roofline-nographs.txt"
 
 step "batch-1 decode benchmark: minillm vs transformers"
-timeout 150 $PY -m minillm bench --model llama-3.1-8b --dtype bf16 --new-tokens 128 \
+timeout 120 $PY -m minillm bench --model llama-3.1-8b --dtype bf16 --new-tokens 128 \
     --json "$OUT/bench-llama-3.1-8b-bf16.json" 2>&1 | tee "$OUT/bench.txt"
 
 step done
 ls -la "$OUT" "$OUT/nographs"
-tar -czf "$FINAL/gpu-check.tgz" -C "$FINAL" all && cp "$OUT"/roofline-*.json "$OUT/bench.txt" "$OUT/roofline.txt" "$FINAL/" \
-    && rm -rf "$OUT"
+# budget: 30 + 240 + 90 + 120 s of timeouts = 8 min at worst; a killed sweep keeps roofline-partial.jsonl
+tar -czf "$FINAL/gpu-check.tgz" -C "$FINAL" all
+cp "$OUT"/roofline-*.json "$OUT"/bench.txt "$OUT"/roofline.txt "$FINAL/" 2>/dev/null
+rm -rf "$OUT"
 ls -la "$FINAL"

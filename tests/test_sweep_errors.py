@@ -30,3 +30,31 @@ def test_noisy_rows_are_flagged():
     b = res.batches[0]
     b.forward_ms_p10, b.forward_ms_p90 = 1.0, 5.0           # as if another job had run mid-sweep
     assert "1.00 *" not in res.table() and " *" in res.table() and "noisy" in res.table()
+
+
+def test_partial_rows_and_strict_json(tmp_path):
+    import json
+    import math
+    part = tmp_path / "partial.jsonl"
+    res = sweep.run_sweep(model="tiny", device="cpu", dtype="fp32", batches=[1, 2], steps=2, warmup=1,
+                          copy_bytes=16 * 2**20, matmul_n=128, progress=False, partial_path=part)
+    rows = [json.loads(line) for line in part.read_text().splitlines()]
+    assert [r["batch"] for r in rows] == [1, 2] and all(r["status"] == "ok" for r in rows)
+    res.predicted_crossover_kv = math.inf                   # B* can be infinite (KV outgrows compute)
+    jp, _ = res.write(tmp_path)
+    assert "Infinity" not in jp.read_text()                 # strict JSON for any consumer
+    assert math.isinf(sweep.load_result(jp)["predicted_crossover_kv"])
+
+
+def test_a_kv_cache_too_small_for_the_sweep_is_oom(monkeypatch):
+    """If the KV cache shrank to fit memory, writing past it would be a device assert on CUDA."""
+    from minillm import engine as eng_mod
+    real = eng_mod.LLMEngine.__init__
+
+    def small(self, *a, **k):
+        real(self, *a, **k)
+        self.max_model_len = 8                               # as if memory allowed only 8 tokens
+    monkeypatch.setattr(eng_mod.LLMEngine, "__init__", small)
+    res = sweep.run_sweep(model="tiny", device="cpu", dtype="fp32", batches=[1], steps=2, warmup=1,
+                          copy_bytes=16 * 2**20, matmul_n=128, progress=False)
+    assert res.batches[0].status == "oom"
