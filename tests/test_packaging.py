@@ -4,11 +4,13 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CONDA_NAMES = {"torch": "pytorch"}          # PyPI name → conda-forge name, where they differ
+CONDA_NAMES = {"torch": "pytorch", "uvicorn[standard]": "uvicorn-standard"}   # PyPI → conda-forge, where they differ
 
 
 def _name(req: str) -> str:
-    return re.split(r"[<>=!~ \[;]", req.strip(), maxsplit=1)[0].lower().replace("_", "-")
+    """The name with its extras, e.g. 'uvicorn[standard]'."""
+    m = re.match(r"\s*([A-Za-z0-9_.-]+)(\[[^\]]*\])?", req)
+    return (m.group(1).lower().replace("_", "-") + (m.group(2) or ""))
 
 
 def _pyproject() -> dict:
