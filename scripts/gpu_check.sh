@@ -16,23 +16,25 @@ OUT="$FINAL/all"            # the device tool returns at most 8 files: bundle at
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"   # runs from the source tree: no install needed
 PY="${PYTHON:-python3}"
+# overridable for a dry run on a CPU: MODEL=tiny DTYPE=fp32 MAXB=8 bash scripts/gpu_check.sh
+MODEL="${MODEL:-llama-3.1-8b}"; DTYPE="${DTYPE:-bf16}"; MAXB="${MAXB:-512}"
 step() { echo; echo "=== $* ($(date +%T))"; }
 
 step doctor
 timeout 30 $PY -m minillm doctor 2>&1 | tee "$OUT/doctor.txt"
 
-step "roofline sweep: llama-3.1-8b bf16, batches 1..512, CUDA graphs on"
-timeout 240 $PY -m minillm roofline --model llama-3.1-8b --dtype bf16 --max-batch 512 --context 512 \
+step "roofline sweep: $MODEL $DTYPE, batches 1..$MAXB, CUDA graphs on"
+timeout 240 $PY -m minillm roofline --model "$MODEL" --dtype "$DTYPE" --max-batch "$MAXB" --context 512 \
     --out "$OUT" --figures "$OUT" 2>&1 | tee "$OUT/roofline.txt"
 
 step "batch 1 (and 8), CUDA graphs off"
 mkdir -p "$OUT/nographs"
-timeout 90 $PY -m minillm roofline --model llama-3.1-8b --dtype bf16 --batches 1,8 --context 512 \
+timeout 90 $PY -m minillm roofline --model "$MODEL" --dtype "$DTYPE" --batches 1,8 --context 512 \
     --no-cuda-graphs --out "$OUT/nographs" --figures "$OUT/nographs" 2>&1 | tee "$OUT/roofline-nographs.txt"
 
 step "batch-1 decode benchmark: minillm vs transformers"
-timeout 120 $PY -m minillm bench --model llama-3.1-8b --dtype bf16 --new-tokens 128 \
-    --json "$OUT/bench-llama-3.1-8b-bf16.json" 2>&1 | tee "$OUT/bench.txt"
+timeout 120 $PY -m minillm bench --model "$MODEL" --dtype "$DTYPE" --new-tokens 128 \
+    --json "$OUT/bench-$MODEL-$DTYPE.json" 2>&1 | tee "$OUT/bench.txt"
 
 step done
 ls -la "$OUT" "$OUT/nographs"
