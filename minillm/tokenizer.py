@@ -16,6 +16,7 @@ from pathlib import Path
 
 DEFAULT_TOKENIZER_DIR = Path(__file__).resolve().parent / "assets" / "tokenizer"
 _CACHE: dict[str, object] = {}
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def load_tokenizer(name_or_path: str | Path | None = None):
@@ -32,7 +33,14 @@ def load_tokenizer(name_or_path: str | Path | None = None):
     if key in _CACHE:
         return _CACHE[key]
     if path.is_dir():
-        tok = AutoTokenizer.from_pretrained(str(path))
+        if not any((path / f).exists() for f in _TOKENIZER_FILES):
+            raise ValueError(f"{path} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}): pass "
+                             f"tokenizer='default' for the shipped BPE, or a tokenizer directory")
+        try:
+            tok = AutoTokenizer.from_pretrained(str(path))
+        except Exception as e:
+            raise ValueError(f"cannot load the tokenizer in {path}: {type(e).__name__}: "
+                             f"{str(e).splitlines()[0] if str(e) else ''}") from None
     elif path.exists():
         raise ValueError(f"tokenizer {name_or_path!r} is a file; give its directory (with tokenizer.json)")
     else:

@@ -77,3 +77,9 @@ def test_bad_tokenizer_names_give_clear_errors(tmp_path):
     f.write_text("{}")
     with pytest.raises(ValueError, match="directory"):
         load_tokenizer(str(f))
+
+
+def test_checkpoint_without_tokenizer_says_what_to_do(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="tokenizer='default'"):
+        load_tokenizer(str(tmp_path))
