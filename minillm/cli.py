@@ -54,6 +54,12 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
+def _write_json(path: str, data: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(data, indent=2))
+    print(f"wrote {path}")
+
+
 def cmd_bench(a: argparse.Namespace) -> int:
     from .bench import run_decode_benchmark
     rep = run_decode_benchmark(model=a.model, device=a.device, dtype=a.dtype, prompt_tokens=a.prompt_tokens,
@@ -61,9 +67,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
                                compare_transformers=not a.no_transformers)
     print(rep.table())
     if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(rep.to_dict(), indent=2))
-        print(f"wrote {a.json}")
+        _write_json(a.json, rep.to_dict())
     return 0
 
 
@@ -107,9 +111,7 @@ def cmd_bench_http(a: argparse.Namespace) -> int:
                             torch_threads=a.torch_threads)
     print(rep.table())
     if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(rep.to_dict(), indent=2))
-        print(f"wrote {a.json}")
+        _write_json(a.json, rep.to_dict())
     return 0
 
 

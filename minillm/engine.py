@@ -108,8 +108,7 @@ class LLMEngine:
             ids, text = list(prompt), None
         else:
             raise RequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        if text is not None or trace.first("tokenized") is None:   # the server may have tokenized already
-            trace.record("tokenized", n_tokens=len(ids))
+        trace.record("tokenized", n_tokens=len(ids))
         self.validate_prompt_ids(ids)
         seq = Sequence(rid, text, ids, params, trace, eos_ids=self.eos_ids)
         seq.generator = make_generator(params)

@@ -155,12 +155,6 @@ class SweepResult:
         return "\n".join(rows)
 
 
-def _json_default(o):
-    if isinstance(o, float) and not math.isfinite(o):
-        return str(o)
-    return str(o)
-
-
 _NONFINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 
 
@@ -176,7 +170,7 @@ def _finite(o):
 
 
 def dumps_strict(d: dict) -> str:
-    return json.dumps(_finite(d), indent=1, default=_json_default, allow_nan=False)
+    return json.dumps(_finite(d), indent=1, default=str, allow_nan=False)
 
 
 def _restore(d: dict) -> dict:
@@ -207,10 +201,10 @@ def fill_running_batch(engine, batch: int, context: int) -> list[Sequence]:
     values, so skipping B real prefills keeps the sweep at seconds instead of minutes."""
     seqs = []
     params = SamplingParams(max_tokens=10**9, temperature=0, ignore_eos=True)
+    from .tokenizer import IncrementalDetokenizer
     for i in range(batch):
         rid = f"sweep-{batch}-{i}"
         seq = Sequence(rid, None, [1] * context, params, Trace(rid))
-        from .tokenizer import IncrementalDetokenizer
         seq.detok = IncrementalDetokenizer(engine.tokenizer)
         seq.slot = engine.cache.allocate(rid)
         seq.status = Status.RUNNING

@@ -181,8 +181,21 @@ def make_requests(n: int, prompt_len: LengthDist, output_len: LengthDist, seed: 
 
 # ---------------------------------------------------------------------------------------------
 # Running
+class _FinishedOutputs:
+    """Traces and metrics of a run's ``outputs`` (RequestOutputs), computed from the traces."""
+    outputs: list[Any]
+
+    @property
+    def traces(self) -> list[Trace]:
+        return [o.trace for o in self.outputs]
+
+    @property
+    def metrics(self) -> list[RequestMetrics]:
+        return metrics_from_traces(self.traces)
+
+
 @dataclass
-class WorkloadResult:
+class WorkloadResult(_FinishedOutputs):
     """What a run produced: the finished outputs (in request order) with their traces.
 
     ``t0_ns`` is the start of the run on the trace clock; request *i* was due at
@@ -195,14 +208,6 @@ class WorkloadResult:
     t0_ns: int
     arrival_lag_s: list[float]
     info: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def traces(self) -> list[Trace]:
-        return [o.trace for o in self.outputs]
-
-    @property
-    def metrics(self) -> list[RequestMetrics]:
-        return metrics_from_traces(self.traces)
 
     def summary(self, slo: SLO | None = None, steady: SteadyWindow | None = None) -> Summary:
         return summarize(self.metrics, slo=slo, steady=steady)
@@ -357,19 +362,11 @@ def token_gaps(traces: Sequence[Trace]) -> list[TokenGap]:
 # ---------------------------------------------------------------------------------------------
 # Chapter 10.4's stall, on purpose
 @dataclass
-class StallResult:
+class StallResult(_FinishedOutputs):
     outputs: list[Any]              # RequestOutput: the short requests, then the long one
     short_ids: list[str]
     long_id: str
     info: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def traces(self) -> list[Trace]:
-        return [o.trace for o in self.outputs]
-
-    @property
-    def metrics(self) -> list[RequestMetrics]:
-        return metrics_from_traces(self.traces)
 
     def gaps(self) -> list[TokenGap]:
         return token_gaps(self.traces)
