@@ -16,14 +16,14 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "LLM": "minillm.engine",
-    "LLMEngine": "minillm.engine",
-    "RequestOutput": "minillm.engine",
-    "SamplingParams": "minillm.sampling",
-    "load_model": "minillm.loader",
-    "ModelConfig": "minillm.config",
-    "PRESETS": "minillm.config",
-    "Trace": "minillm.trace",
+    "LLM": "minillm.engine.engine",
+    "LLMEngine": "minillm.engine.engine",
+    "RequestOutput": "minillm.engine.engine",
+    "SamplingParams": "minillm.engine.sampling",
+    "load_model": "minillm.model.loader",
+    "ModelConfig": "minillm.model.config",
+    "PRESETS": "minillm.model.config",
+    "Trace": "minillm.measure.trace",
 }
 
 __all__ = [*_LAZY, "__version__"]

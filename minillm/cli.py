@@ -16,10 +16,10 @@ def _add_model_args(p: argparse.ArgumentParser, default_model: str | None = "tin
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
-    from .engine import LLM, RequestError
-    from .hardware import dtype_bytes
-    from .roofline import decode_step_bytes
-    from .sampling import SamplingParams
+    from minillm.engine.engine import LLM, RequestError
+    from minillm.measure.hardware import dtype_bytes
+    from minillm.measure.roofline import decode_step_bytes
+    from minillm.engine.sampling import SamplingParams
     try:
         params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k,
                                 top_p=a.top_p, seed=a.seed, stop=a.stop or [], ignore_eos=a.ignore_eos)
@@ -42,7 +42,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     cfg = llm.model.config
     ctx = len(out.prompt_token_ids) + len(out.token_ids) // 2
     step_bytes = decode_step_bytes(cfg, dtype_bytes(llm.dtype), 1, ctx)
-    from .hardware import dtype_name
+    from minillm.measure.hardware import dtype_name
     lines = [f"model {a.model} ({dtype_name(llm.dtype)}) on {llm.device} | prompt {m.prompt_tokens} tokens, "
              f"output {m.output_tokens} tokens, finish: {out.finish_reason}",
              f"TTFT {m.ttft_s * 1e3:.1f} ms"]
@@ -61,7 +61,7 @@ def _write_json(path: str, data: dict) -> None:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    from .bench import run_decode_benchmark
+    from minillm.measure.bench import run_decode_benchmark
     rep = run_decode_benchmark(model=a.model, device=a.device, dtype=a.dtype, prompt_tokens=a.prompt_tokens,
                                new_tokens=a.new_tokens, repeats=a.repeats,
                                compare_transformers=not a.no_transformers)
@@ -73,8 +73,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
 def cmd_roofline(a: argparse.Namespace) -> int:
     import shlex
-    from .plots import save_roofline_figure
-    from .sweep import default_batches, load_result, parse_batches, run_sweep
+    from minillm.plots.roofline import save_roofline_figure
+    from minillm.measure.sweep import default_batches, load_result, parse_batches, run_sweep
     try:
         batches = parse_batches(a.batches) if a.batches else default_batches(a.max_batch)
     except ValueError as e:
@@ -94,7 +94,7 @@ def cmd_roofline(a: argparse.Namespace) -> int:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    from .server import config_from_args, serve
+    from minillm.serving.server import config_from_args, serve
     try:
         cfg = config_from_args(a)
     except ValueError as e:
@@ -105,7 +105,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
 
 def cmd_bench_http(a: argparse.Namespace) -> int:
-    from .http_overhead import run_http_overhead
+    from minillm.measure.http_overhead import run_http_overhead
     rep = run_http_overhead(model=a.model, device=a.device, dtype=a.dtype, n_requests=a.requests,
                             prompt_tokens=a.prompt_tokens, max_tokens=a.max_tokens, warmup=a.warmup, mode=a.mode,
                             torch_threads=a.torch_threads)
@@ -116,7 +116,7 @@ def cmd_bench_http(a: argparse.Namespace) -> int:
 
 
 def cmd_doctor(a: argparse.Namespace) -> int:
-    from .doctor import main as doctor_main
+    from minillm.doctor import main as doctor_main
     return doctor_main([])
 
 

@@ -74,7 +74,7 @@ def check_devices() -> list[Check]:
         import torch
     except Exception:
         return []
-    from . import hardware as hw
+    import minillm.measure.hardware as hw
     out = []
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
@@ -105,7 +105,7 @@ def check_devices() -> list[Check]:
 
 def check_default_assets() -> list[Check]:
     try:
-        from .tokenizer import DEFAULT_TOKENIZER_DIR, load_tokenizer
+        from minillm.engine.tokenizer import DEFAULT_TOKENIZER_DIR, load_tokenizer
         tok = load_tokenizer(None)
         ids = tok.encode("hello 你好")
         assert tok.decode(ids) == "hello 你好"

@@ -19,7 +19,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-VOCAB_SIZE = 8192                      # = minillm.config.DEFAULT_VOCAB (the tiny preset's vocabulary)
+VOCAB_SIZE = 8192                      # = minillm.model.config.DEFAULT_VOCAB (the tiny preset's vocabulary)
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|system|>", "<|user|>", "<|assistant|>"]
 # ChatML-style template: <|im_start|>role\ncontent<|im_end|>\n ... then the assistant's turn.
 CHAT_TEMPLATE = (

@@ -1,8 +1,8 @@
 """The decode benchmark compares like with like: transformers runs *our* weights."""
 import torch
 
-from minillm.bench import run_decode_benchmark, to_transformers
-from minillm.loader import load_model
+from minillm.measure.bench import run_decode_benchmark, to_transformers
+from minillm.model.loader import load_model
 
 
 def test_to_transformers_has_the_same_logits():

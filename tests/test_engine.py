@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from minillm import LLM, SamplingParams
-from minillm.engine import RequestError
+from minillm.engine.engine import RequestError
 
 from hf_reference import make_hf_model
 
@@ -70,7 +70,7 @@ def test_stream_reassembles_to_final_text_with_chinese(tiny_llm):
 def test_chinese_round_trip_through_the_engine(tiny_llm):
     """Feed the token ids of Chinese text as 'output' by forcing them as a prompt continuation:
     the incremental detokenizer in the engine must rebuild the characters exactly."""
-    from minillm.tokenizer import IncrementalDetokenizer
+    from minillm.engine.tokenizer import IncrementalDetokenizer
     text = "一个字符可能跨越多个字节级词元：性能指标"
     ids = tiny_llm.tokenizer.encode(text, add_special_tokens=False)
     assert len(ids) > len(text) / 2        # several byte-level tokens per character somewhere

@@ -7,13 +7,13 @@ import threading
 
 import pytest
 
-from minillm import gateway as gw
-from minillm.gateway import (
+from minillm.serving import gateway as gw
+from minillm.serving.gateway import (
     AdmissionControl, APIKeyAuth, Gateway, GatewayError, RateLimiter, TokenBucket,
     check_context, check_model, default_max_tokens, key_fingerprint, keys_from_env_and_args,
     parse_completion_body,
 )
-from minillm.trace import Trace
+from minillm.measure.trace import Trace
 
 KEY = "sk-test-Very-Secret-0123456789"
 OTHER = "sk-other-Also-Secret-9876543210"

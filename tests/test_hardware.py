@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from minillm import hardware as hw
+from minillm.measure import hardware as hw
 from minillm.doctor import run_checks
 
 

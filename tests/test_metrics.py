@@ -6,10 +6,10 @@ import math
 import numpy as np
 import pytest
 
-from minillm.metrics import (SLO, STAGES, ClientRecord, SteadyWindow, breakdown_at_percentile,
+from minillm.measure.metrics import (SLO, STAGES, ClientRecord, SteadyWindow, breakdown_at_percentile,
                              client_request_metrics, distribution, explain_ttft, metrics_from_traces,
                              request_metrics, summarize, to_rows, ttft_breakdown)
-from minillm.trace import Trace
+from minillm.measure.trace import Trace
 
 MS = 1_000_000
 

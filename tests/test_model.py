@@ -3,9 +3,9 @@ import pytest
 import torch
 
 from minillm import load_model
-from minillm.config import ModelConfig, PRESETS
-from minillm.kv_cache import KVCache
-from minillm.model import build_attn_meta
+from minillm.model.config import ModelConfig, PRESETS
+from minillm.engine.kv_cache import KVCache
+from minillm.model.transformer import build_attn_meta
 
 from hf_reference import LLAMA3_ROPE, make_hf_model
 

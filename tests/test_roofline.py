@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from minillm import roofline as rf
-from minillm.config import PRESETS, ModelConfig
+from minillm.measure import roofline as rf
+from minillm.model.config import PRESETS, ModelConfig
 
 # ----------------------------------------------------------------------------- a toy model by hand
 # hidden 8, 2 layers, 2 heads of dim 4, 1 KV head, MLP 16, vocab 10, untied embeddings.
@@ -170,7 +170,7 @@ def test_measured_knee_ignores_failed_points_and_order():
 # ----------------------------------------------------------------------------- the live sweep (tiny)
 @pytest.fixture(scope="module")
 def tiny_sweep():
-    from minillm.sweep import run_sweep
+    from minillm.measure.sweep import run_sweep
     return run_sweep(model="tiny", device="cpu", batches=[1, 2, 4], steps=2, warmup=1,
                      copy_bytes=32 * 2**20, matmul_n=256, progress=False)
 
@@ -201,8 +201,8 @@ def test_sweep_result_is_well_formed(tiny_sweep):
 
 
 def test_sweep_writes_data_that_loads_back_and_a_figure(tiny_sweep, tmp_path):
-    from minillm.plots import save_roofline_figure
-    from minillm.sweep import load_result
+    from minillm.plots.roofline import save_roofline_figure
+    from minillm.measure.sweep import load_result
     jp, cp = tiny_sweep.write(tmp_path / "runs")
     back = load_result(jp)
     assert back["model"] == "tiny" and [b["batch"] for b in back["batches"]] == [1, 2, 4]

@@ -15,8 +15,8 @@ import time
 import httpx
 import pytest
 
-from minillm.http_overhead import arun_concurrent, astream_completion, fetch_traces, stream_completion
-from minillm.server import ServerConfig, ServerThread
+from minillm.measure.http_overhead import arun_concurrent, astream_completion, fetch_traces, stream_completion
+from minillm.serving.server import ServerConfig, ServerThread
 
 KEY = "sk-test-server-0123456789"
 STRICT_KEYS = ["sk-strict-a-000000", "sk-strict-b-111111", "sk-strict-c-222222", "sk-strict-d-333333"]
@@ -341,7 +341,7 @@ def test_stop_ends_open_streams_and_leaves_no_thread():
 # ---- the benchmark (well-formed, not timed) ------------------------------------------------
 
 def test_bench_http_returns_well_formed_results():
-    from minillm.http_overhead import run_http_overhead
+    from minillm.measure.http_overhead import run_http_overhead
     rep = run_http_overhead(model="tiny", device="cpu", dtype="fp32", n_requests=3, prompt_tokens=8, max_tokens=4,
                             warmup=1, mode="thread", max_batch_size=2, max_model_len=64)
     d = rep.to_dict()

@@ -1,7 +1,7 @@
 """A batch that does not fit is reported as such, and the sweep goes on (issue: the roofline, item 2)."""
 import torch
 
-from minillm import sweep
+from minillm.measure import sweep
 
 
 def test_oom_batch_is_reported_and_sweep_continues(monkeypatch):
@@ -48,7 +48,7 @@ def test_partial_rows_and_strict_json(tmp_path):
 
 def test_a_kv_cache_too_small_for_the_sweep_is_oom(monkeypatch):
     """If the KV cache shrank to fit memory, writing past it would be a device assert on CUDA."""
-    from minillm import engine as eng_mod
+    from minillm.engine import engine as eng_mod
     real = eng_mod.LLMEngine.__init__
 
     def small(self, *a, **k):

@@ -11,13 +11,13 @@ import pytest
 
 matplotlib.use("Agg")
 
-from minillm.engine import RequestError
-from minillm.metrics import breakdown_at_percentile, distribution, metrics_from_traces, request_metrics
-from minillm.plots_metrics import (plot_itl_distribution, plot_ttft_breakdown, save_itl_distribution,
+from minillm.engine.engine import RequestError
+from minillm.measure.metrics import breakdown_at_percentile, distribution, metrics_from_traces, request_metrics
+from minillm.plots.metrics import (plot_itl_distribution, plot_ttft_breakdown, save_itl_distribution,
                                    save_ttft_breakdown, stamp_for)
-from minillm.sampling import SamplingParams
-from minillm.trace import Trace
-from minillm.workload import (FIRST_ORDINARY_ID, LengthDist, WorkloadRequest, gamma_arrivals, make_prompts,
+from minillm.engine.sampling import SamplingParams
+from minillm.measure.trace import Trace
+from minillm.measure.workload import (FIRST_ORDINARY_ID, LengthDist, WorkloadRequest, gamma_arrivals, make_prompts,
                               make_requests, poisson_arrivals, run_workload, stall_scenario, token_gaps)
 
 MS = 1_000_000

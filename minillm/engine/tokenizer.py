@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-DEFAULT_TOKENIZER_DIR = Path(__file__).resolve().parent / "assets" / "tokenizer"
+DEFAULT_TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "assets" / "tokenizer"
 _CACHE: dict[str, object] = {}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 

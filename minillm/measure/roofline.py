@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from .config import ModelConfig
+from minillm.model.config import ModelConfig
 
 
 def weight_bytes(cfg: ModelConfig, dtype_bytes: int) -> int:

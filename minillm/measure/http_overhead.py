@@ -8,9 +8,9 @@ The same requests, on the same model and settings, two ways:
   loopback, read by a streaming HTTP client (``httpx``): the gateway, JSON, SSE framing, the
   socket and the client's parsing are added.
 
-Both sides are timed the same way — a :class:`~minillm.metrics.ClientRecord` (the time the
+Both sides are timed the same way — a :class:`~minillm.measure.metrics.ClientRecord` (the time the
 request was issued, the time of every non-empty chunk), turned into TTFT and inter-chunk gaps by
-:func:`~minillm.metrics.client_request_metrics` — so the difference is the HTTP path and nothing
+:func:`~minillm.measure.metrics.client_request_metrics` — so the difference is the HTTP path and nothing
 else. Requests run one at a time (concurrency 1: the overhead, not queueing) and alternate
 between the two sides, so slow drift of the machine (turbo, other load) hits both equally.
 
@@ -42,8 +42,8 @@ from typing import Any
 
 import numpy as np
 
-from .metrics import ClientRecord, client_request_metrics
-from .trace import Trace, now_ns
+from minillm.measure.metrics import ClientRecord, client_request_metrics
+from minillm.measure.trace import Trace, now_ns
 
 TARGET_P50_MS = 3.0
 
@@ -216,7 +216,7 @@ def run_concurrent(base_url: str, bodies: list[dict[str, Any]], api_key: str | N
 
 def fetch_traces(base_url: str, request_ids: list[str] | None = None, api_key: str | None = None,
                  client=None) -> list[Trace]:
-    """``GET /v1/traces`` → :class:`~minillm.trace.Trace` objects (plain data on the wire)."""
+    """``GET /v1/traces`` → :class:`~minillm.measure.trace.Trace` objects (plain data on the wire)."""
     import httpx
     own = client is None
     client = client or httpx.Client(timeout=60)
@@ -388,7 +388,7 @@ class _SubprocessServer:
     """``python -m minillm serve`` in its own process, as it would run in production."""
 
     def __init__(self, args: list[str], api_key: str, torch_threads: int | None = None) -> None:
-        from .server import free_port
+        from minillm.serving.server import free_port
         self.port = free_port()
         env = {**os.environ, "MINILLM_API_KEY": api_key}     # a key in argv would show in `ps`
         threads = ["--torch-threads", str(torch_threads)] if torch_threads else []
@@ -434,10 +434,10 @@ def run_http_overhead(model: str = "tiny", device: str | None = "cpu", dtype: st
     import httpx
     import torch
 
-    from .engine import LLM
-    from .hardware import describe_hardware, dtype_name
-    from .sampling import SamplingParams
-    from .server import ServerConfig, ServerThread
+    from minillm.engine.engine import LLM
+    from minillm.measure.hardware import describe_hardware, dtype_name
+    from minillm.engine.sampling import SamplingParams
+    from minillm.serving.server import ServerConfig, ServerThread
 
     if mode not in ("subprocess", "thread"):
         raise ValueError(f"mode must be 'subprocess' or 'thread', got {mode!r}")

@@ -6,13 +6,13 @@
 (b) a few concurrent requests, one row each, on one clock: with more requests than batch slots,
     the queue segments grow row after row — queueing, visible.
 
-The stages telescope like :func:`minillm.metrics.ttft_breakdown` (each event closes a stage), so
+The stages telescope like :func:`minillm.measure.metrics.ttft_breakdown` (each event closes a stage), so
 the bars of one request tile its life without gaps or overlaps::
 
     received ─gateway─► admitted ─tokenize─► tokenized ─queue─► scheduled ─prefill─► first token
              ─decode─► last token ─return─► response complete (server `finished`)
 
-Input: :class:`~minillm.trace.Trace` objects, or the JSON of ``GET /v1/traces``
+Input: :class:`~minillm.measure.trace.Trace` objects, or the JSON of ``GET /v1/traces``
 (``{"request_id", "events": [{"event", "t_ns", ...}]}``), or a list of such event rows.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from .trace import Trace
+from minillm.measure.trace import Trace
 
 STAGE_ORDER = ("gateway", "tokenize", "queue", "prefill", "decode", "return")
 STAGE_COLORS = {"gateway": "tab:purple", "tokenize": "tab:olive", "queue": "tab:red",
@@ -247,11 +247,11 @@ def timeline_stamp(hardware: str, model: str, dtype: str, detail: str = "") -> s
 
 def save_request_timeline(single: Any, concurrent: Iterable[Any], stamp: str, out_dir: str | Path | None = None,
                           name: str = "10-1-request-timeline") -> list[Path]:
-    """Draw and save figure 10-1 (PNG + SVG) through :func:`minillm.figures.save_figure`."""
+    """Draw and save figure 10-1 (PNG + SVG) through :func:`minillm.plots.figures.save_figure`."""
     import matplotlib
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
-    from .figures import save_figure
+    from minillm.plots.figures import save_figure
     fig = request_timeline_figure(single, concurrent)
     try:
         return save_figure(fig, name, stamp, out_dir)

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from .config import PRESETS, ModelConfig, get_preset
-from .hardware import default_dtype, parse_dtype, pick_device
-from .model import Transformer
+from minillm.model.config import PRESETS, ModelConfig, get_preset
+from minillm.measure.hardware import default_dtype, parse_dtype, pick_device
+from minillm.model.transformer import Transformer
 
 INIT_STD = 0.02   # GPT-2/Llama-style init: keeps a random twin's activations finite in fp16
 
@@ -30,7 +30,7 @@ def empty_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> T
 
 
 def _rope_buffer(cfg: ModelConfig, device: torch.device) -> torch.Tensor:
-    from .model import rope_inv_freq
+    from minillm.model.transformer import rope_inv_freq
     return rope_inv_freq(cfg).to(device)
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from . import roofline as rf
-from .config import ModelConfig
+import minillm.measure.roofline as rf
+from minillm.model.config import ModelConfig
 
 
 def _ok(res: dict) -> list[dict]:
@@ -90,13 +90,13 @@ def save_roofline_figure(result: dict, references: list[dict] | None = None,
     import matplotlib
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
-    from .figures import save_figure
+    from minillm.plots.figures import save_figure
     fig = plot_roofline(result, references)
     paths = save_figure(fig, name, stamp_of(result), out_dir)
     plt.close(fig)
     # the figure's own data beside it (figures/data/NAME.json), so it can be redrawn and checked
     data = paths[0].parent / "data" / f"{name}.json"
     data.parent.mkdir(exist_ok=True)
-    from .sweep import dumps_strict
+    from minillm.measure.sweep import dumps_strict
     data.write_text(dumps_strict(result))
     return paths

@@ -51,11 +51,11 @@ from typing import Any, AsyncIterator, Callable
 
 from starlette.requests import Request   # module level: FastAPI resolves string annotations here
 
-from .gateway import (APIKeyAuth, AdmissionControl, AdmittedRequest, CompletionRequest, Gateway,
+from minillm.serving.gateway import (APIKeyAuth, AdmissionControl, AdmittedRequest, CompletionRequest, Gateway,
                       GatewayError, RateLimiter, keys_from_env_and_args)
-from .trace import Trace
+from minillm.measure.trace import Trace
 
-log = logging.getLogger("minillm.server")
+log = logging.getLogger("minillm.serving.server")
 
 MAX_BODY_BYTES = 1 << 20       # 1 MiB: far more than any prompt our contexts can hold
 _DRAIN_FACTOR = 8              # read on (and drop) up to 8× the limit, so the client reads our 413
@@ -129,7 +129,7 @@ def default_server_threads(device: str | None) -> int | None:
     second thread with 2 OpenMP threads, 2.2 ms from a second thread with 1. Only the CLI server
     (a process of its own) gets this default; a ServerThread inside a notebook leaves torch alone.
     On an accelerator the intra-op threads barely matter: None (torch's default)."""
-    from .hardware import cpu_cores, pick_device
+    from minillm.measure.hardware import cpu_cores, pick_device
     try:
         if pick_device(device).type != "cpu":
             return None
@@ -153,7 +153,7 @@ class _Closed:
 @dataclass(eq=False)
 class _Stream:
     """One request as the engine thread sees it: its sequence and where its outputs go."""
-    seq: Any                                  # minillm.sequence.Sequence
+    seq: Any                                  # minillm.engine.sequence.Sequence
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     every_output: bool = True                 # False (non-streaming): only the final output
@@ -339,7 +339,7 @@ class ServingState:
     puts HTTP in front of it."""
 
     def __init__(self, config: ServerConfig | None = None, llm=None) -> None:
-        from .engine import LLM
+        from minillm.engine.engine import LLM
         config = config or ServerConfig()
         self.config = config
         if config.torch_threads:
@@ -364,14 +364,14 @@ class ServingState:
 
     # -- prompts -------------------------------------------------------------------------
     def prompt_text(self, req: CompletionRequest) -> str:
-        from .tokenizer import apply_chat
+        from minillm.engine.tokenizer import apply_chat
         return apply_chat(self.tokenizer, req.prompt) if req.chat else req.prompt
 
     def _count_tokens(self, req: CompletionRequest) -> int:
         # The gateway needs the prompt length to check the context *before* queueing (vLLM's
         # frontend does the same). prepare() tokenizes again: we pay twice (tens of µs for a
         # chat-sized prompt) so that the trace's `tokenize` stage is the tokenizer's time.
-        from .tokenizer import encode_prompt
+        from minillm.engine.tokenizer import encode_prompt
         return len(encode_prompt(self.tokenizer, self.prompt_text(req)))
 
     # -- traces --------------------------------------------------------------------------
@@ -718,8 +718,8 @@ def create_app(config: ServerConfig | ServingState | None = None, *, llm=None):
                 "data": [{"request_id": t.request_id, "events": [e.as_dict() for e in t.events]} for t in found]}
 
     async def handle(request: Request, chat: bool):
-        from .engine import RequestError
-        from .sampling import SamplingParams
+        from minillm.engine.engine import RequestError
+        from minillm.engine.sampling import SamplingParams
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         trace = Trace(rid)
         trace.record("received", path=request.url.path)

@@ -33,10 +33,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .config import DEFAULT_VOCAB
-from .metrics import RequestMetrics, SLO, SteadyWindow, Summary, metrics_from_traces, summarize
-from .sampling import SamplingParams
-from .trace import Trace, now_ns
+from minillm.model.config import DEFAULT_VOCAB
+from minillm.measure.metrics import RequestMetrics, SLO, SteadyWindow, Summary, metrics_from_traces, summarize
+from minillm.engine.sampling import SamplingParams
+from minillm.measure.trace import Trace, now_ns
 
 # Ids 0..5 are the special tokens of the shipped tokenizer (<|endoftext|>, <|im_start|>, ...):
 # a workload prompt made of random ids should not be full of end-of-text markers.
@@ -203,7 +203,7 @@ class WorkloadResult(_FinishedOutputs):
     for it (GIL, OS scheduling); its ``received`` stamp is the due time regardless, as an
     open-loop client sends on schedule, so that lateness is inside its TTFT, not hidden.
     """
-    outputs: list[Any]              # minillm.engine.RequestOutput
+    outputs: list[Any]              # minillm.engine.engine.RequestOutput
     arrivals_s: list[float]
     t0_ns: int
     arrival_lag_s: list[float]

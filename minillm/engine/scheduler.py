@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from .kv_cache import KVCache
-from .sequence import Sequence, Status
+from minillm.engine.kv_cache import KVCache
+from minillm.engine.sequence import Sequence, Status
 
 
 @dataclass

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import ModelConfig
+from minillm.model.config import ModelConfig
 
 
 class CacheFullError(RuntimeError):

@@ -6,7 +6,7 @@ import os
 import textwrap
 from pathlib import Path
 
-FIGURES_DIR = Path(__file__).resolve().parent.parent / "figures"
+FIGURES_DIR = Path(__file__).resolve().parents[2] / "figures"
 
 
 def figures_dir(out_dir: str | Path | None = None) -> Path:

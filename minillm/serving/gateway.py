@@ -13,7 +13,7 @@ a message that names the limit that was hit, so a client can tell "fix your requ
 "come back later" (429/503 with ``Retry-After``).
 
 This module is pure logic: no HTTP framework, no engine import, no dependencies. The server
-(``minillm.server``) turns HTTP into calls to :meth:`Gateway.admit` and errors into JSON.
+(``minillm.serving.server``) turns HTTP into calls to :meth:`Gateway.admit` and errors into JSON.
 State shared between request threads (rate-limit buckets, queue depth) is guarded by locks,
 and every time-dependent part takes an injectable ``clock`` so tests can move time by hand.
 """
@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Mapping
 
-from minillm.trace import Trace
+from minillm.measure.trace import Trace
 
 Clock = Callable[[], float]
 

@@ -6,7 +6,7 @@ LM head. Module names match Hugging Face's so a checkpoint's ``state_dict`` load
 Two ways to call it:
 - ``model(tokens)`` with no cache: full causal attention, returns ``[B, T, vocab]`` logits;
 - ``model(tokens, cache=kv, meta=AttnMeta(...))``: prefill or decode against the slot cache
-  (``minillm.kv_cache``); ``meta`` says where each row's tokens go and how much to read.
+  (``minillm.engine.kv_cache``); ``meta`` says where each row's tokens go and how much to read.
 """
 from __future__ import annotations
 
@@ -17,8 +17,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .config import ModelConfig
-from .kv_cache import KVCache
+from minillm.model.config import ModelConfig
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:   # the model only calls cache.write/read; it does not depend on the engine
+    from minillm.engine.kv_cache import KVCache
 
 
 # ---------------------------------------------------------------------------- RoPE

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from . import roofline as rf
-from .config import PRESETS
-from .hardware import GPU_SPECS, GPUSpec, dtype_bytes
+import minillm.measure.roofline as rf
+from minillm.model.config import PRESETS
+from minillm.measure.hardware import GPU_SPECS, GPUSpec, dtype_bytes
 
 
 def gpu_names() -> list[str]:

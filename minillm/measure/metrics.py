@@ -1,6 +1,6 @@
 """Performance metrics of inference requests, computed from recorded data only (design.md §2).
 
-Everything here is a pure function over plain data: an engine :class:`~minillm.trace.Trace`
+Everything here is a pure function over plain data: an engine :class:`~minillm.measure.trace.Trace`
 (engine side) or a :class:`ClientRecord` (what an HTTP client saw). Nothing is timed here, so
 every number a notebook prints can be traced back to recorded timestamps (chapter 10.2).
 
@@ -32,7 +32,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from .trace import Trace
+from minillm.measure.trace import Trace
 
 # ---------------------------------------------------------------------------------------------
 # Stages of TTFT (chapter 10.2): the stage each milestone event *closes*. The time from one

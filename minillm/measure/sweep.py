@@ -22,13 +22,13 @@ from typing import Callable
 
 import torch
 
-from . import roofline as rf
-from .config import PRESETS
-from .hardware import (describe_hardware, dtype_bytes, dtype_name, free_memory_bytes,
+import minillm.measure.roofline as rf
+from minillm.model.config import PRESETS
+from minillm.measure.hardware import (describe_hardware, dtype_bytes, dtype_name, free_memory_bytes,
                        measure_copy_bandwidth, measure_matmul_peak, synchronize)
-from .sampling import SamplingParams
-from .sequence import Sequence, Status
-from .trace import Trace
+from minillm.engine.sampling import SamplingParams
+from minillm.engine.sequence import Sequence, Status
+from minillm.measure.trace import Trace
 
 DEFAULT_BATCHES = [1, 2, 4, 8, 16, 32, 48, 64]
 NOISY_SPREAD = 1.5          # p90 / p10 of the step times above which a row is flagged
@@ -201,7 +201,7 @@ def fill_running_batch(engine, batch: int, context: int) -> list[Sequence]:
     values, so skipping B real prefills keeps the sweep at seconds instead of minutes."""
     seqs = []
     params = SamplingParams(max_tokens=10**9, temperature=0, ignore_eos=True)
-    from .tokenizer import IncrementalDetokenizer
+    from minillm.engine.tokenizer import IncrementalDetokenizer
     for i in range(batch):
         rid = f"sweep-{batch}-{i}"
         seq = Sequence(rid, None, [1] * context, params, Trace(rid))
@@ -216,13 +216,13 @@ def fill_running_batch(engine, batch: int, context: int) -> list[Sequence]:
 
 
 def _forward_fn(engine, seqs: list[Sequence], use_graphs: bool):
-    from .model import build_attn_meta
+    from minillm.model.transformer import build_attn_meta
     model, dev = engine.model, engine.device
     slots = [s.slot for s in seqs]
     meta = build_attn_meta(slots, [s.num_cached for s in seqs], [1] * len(seqs), engine.cache.scratch_pos, dev)
     tokens = torch.ones(len(seqs), 1, dtype=torch.long, device=dev)              # [B, 1]
     if use_graphs and dev.type == "cuda":
-        from .cuda_graphs import capture_decode
+        from minillm.engine.cuda_graphs import capture_decode
         return capture_decode(model, engine.cache, tokens, meta)
     return lambda: model(tokens, engine.cache, meta)
 
@@ -281,10 +281,10 @@ def run_sweep(model: str | None = None, device: str | None = None, dtype: str | 
               seed: int = 0, partial_path: str | Path | None = None) -> SweepResult:
     """Sweep decode batches (see the module docstring). ``partial_path``: append each batch's result there as one JSON line as soon as it is
     measured, so a sweep killed by a time limit keeps what it measured."""
-    from .engine import LLMEngine
-    from .hardware import default_dtype, parse_dtype, pick_device
-    from .loader import load_model
-    from .tokenizer import load_tokenizer
+    from minillm.engine.engine import LLMEngine
+    from minillm.measure.hardware import default_dtype, parse_dtype, pick_device
+    from minillm.model.loader import load_model
+    from minillm.engine.tokenizer import load_tokenizer
 
     t_start = time.time()
     dev = pick_device(device)
@@ -350,7 +350,7 @@ def run_sweep(model: str | None = None, device: str | None = None, dtype: str | 
     return SweepResult(
         model=str(model), dtype=dtype_name(dt), device=str(dev), hardware=_hw_dict(hw),
         host=socket.gethostname(), torch_version=torch.__version__, python=platform.python_version(),
-        command=command or "minillm.sweep.run_sweep(...)", context=context, warmup=warmup, steps=steps,
+        command=command or "minillm.measure.sweep.run_sweep(...)", context=context, warmup=warmup, steps=steps,
         cuda_graphs=bool(cuda_graphs and dev.type == "cuda"), ceilings=ceil,
         model_bytes=rf.weight_bytes(cfg, nbytes), config=cfg.to_dict(),
         predicted_crossover=rf.crossover_batch(cfg, nbytes, bw, peak, 0),

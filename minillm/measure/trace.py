@@ -1,7 +1,7 @@
 """Per-request traces (design.md §1).
 
 Every request carries a :class:`Trace`: an append-only list of ``(event, t_ns, extra)``
-records. Metrics (``minillm.metrics``) are computed from traces only, never from ad-hoc
+records. Metrics (``minillm.measure.metrics``) are computed from traces only, never from ad-hoc
 timers, so the numbers a notebook shows can always be traced back to recorded events.
 
 Timestamps come from :func:`now_ns` (``time.perf_counter_ns``: CLOCK_MONOTONIC on Linux,

@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .hardware import dtype_bytes, dtype_name, measure_copy_bandwidth, synchronize
-from .roofline import decode_step_bytes
+from minillm.measure.hardware import dtype_bytes, dtype_name, measure_copy_bandwidth, synchronize
+from minillm.measure.roofline import decode_step_bytes
 
 
 @dataclass
@@ -57,7 +57,7 @@ class BenchReport:
 
 
 def _minillm_decode_tok_s(llm, prompt_ids: list[int], new_tokens: int) -> float:
-    from .sampling import SamplingParams
+    from minillm.engine.sampling import SamplingParams
     out = llm.generate([prompt_ids], SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True))[0]
     m = out.metrics
     return 1.0 / m.tpot_s
@@ -113,7 +113,7 @@ def _transformers_decode_tok_s(hf, prompt_ids: list[int], new_tokens: int, devic
 def run_decode_benchmark(model: str = "cpu-small", device: str | None = None, dtype: str | None = None,
                          prompt_tokens: int = 32, new_tokens: int = 64, repeats: int = 3,
                          compare_transformers: bool = True, copy_bytes: int | None = None) -> BenchReport:
-    from .engine import LLM
+    from minillm.engine.engine import LLM
     llm = LLM(model=model, device=device, dtype=dtype, max_batch_size=1)
     dev, dt = llm.device, llm.dtype
     g = torch.Generator().manual_seed(0)

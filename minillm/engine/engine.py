@@ -18,16 +18,16 @@ from typing import Iterable, Iterator
 
 import torch
 
-from .config import ModelConfig
-from .hardware import default_dtype, free_memory_bytes, parse_dtype, pick_device, synchronize
-from .kv_cache import KVCache, size_kv_cache
-from .loader import is_shape_twin, load_model, resolve_checkpoint
-from .model import Transformer, build_attn_meta
-from .sampling import SamplingParams, make_generator, sample_next
-from .scheduler import Batch, Scheduler
-from .sequence import Sequence, Status
-from .tokenizer import IncrementalDetokenizer, encode_prompt, load_tokenizer
-from .trace import Trace, now_ns
+from minillm.model.config import ModelConfig
+from minillm.measure.hardware import default_dtype, free_memory_bytes, parse_dtype, pick_device, synchronize
+from minillm.engine.kv_cache import KVCache, size_kv_cache
+from minillm.model.loader import is_shape_twin, load_model, resolve_checkpoint
+from minillm.model.transformer import Transformer, build_attn_meta
+from minillm.engine.sampling import SamplingParams, make_generator, sample_next
+from minillm.engine.scheduler import Batch, Scheduler
+from minillm.engine.sequence import Sequence, Status
+from minillm.engine.tokenizer import IncrementalDetokenizer, encode_prompt, load_tokenizer
+from minillm.measure.trace import Trace, now_ns
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class RequestOutput:
 
     @property
     def metrics(self):
-        from .metrics import request_metrics
+        from minillm.measure.metrics import request_metrics
         return request_metrics(self.trace)
 
 

@@ -14,9 +14,9 @@ from typing import Sequence
 
 import numpy as np
 
-from .metrics import STAGES, RequestMetrics, breakdown_at_percentile, distribution, metrics_from_traces
-from .trace import Trace
-from .workload import token_gaps
+from minillm.measure.metrics import STAGES, RequestMetrics, breakdown_at_percentile, distribution, metrics_from_traces
+from minillm.measure.trace import Trace
+from minillm.measure.workload import token_gaps
 
 STAGE_COLORS = {"gateway": "tab:purple", "tokenize": "tab:olive", "queue": "tab:red",
                 "prefill": "tab:blue", "first_token": "tab:gray"}
@@ -28,7 +28,7 @@ def stamp_for(llm, what: str = "") -> str:
     """'measured <date> on <hardware>; model <name> <dtype> (shape twin...); torch <v>; <what>'."""
     import torch
 
-    from .hardware import describe_hardware, dtype_name
+    from minillm.measure.hardware import describe_hardware, dtype_name
     twin = " (shape twin: random weights, real speed)" if getattr(llm, "is_shape_twin", False) else ""
     date = _dt.date.today().isoformat()
     return (f"measured {date} on {describe_hardware(llm.device).summary()}; model {llm.model_name} "
@@ -127,7 +127,7 @@ def plot_ttft_breakdown(metrics: Sequence[RequestMetrics], percentiles: Sequence
 def _save(fig, name: str, stamp: str, out_dir: str | Path | None) -> list[Path]:
     import matplotlib.pyplot as plt
 
-    from .figures import save_figure
+    from minillm.plots.figures import save_figure
     paths = save_figure(fig, name, stamp, out_dir)
     plt.close(fig)
     return paths

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .sampling import SamplingParams
-from .trace import Trace
+from minillm.engine.sampling import SamplingParams
+from minillm.measure.trace import Trace
 
 
 class Status(enum.Enum):
@@ -32,7 +32,7 @@ class Sequence:
     finish_reason: str | None = None   # "stop" | "length" | "abort" | "error"
     error: str | None = None           # why, when finish_reason is "error"
     generator: torch.Generator | None = None
-    detok: object | None = None        # minillm.tokenizer.IncrementalDetokenizer
+    detok: object | None = None        # minillm.engine.tokenizer.IncrementalDetokenizer
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,0 +1,1 @@
+"""Figures for the chapter, all saved through ``minillm.plots.figures`` (PNG + SVG + data)."""
