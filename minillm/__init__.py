@@ -16,10 +16,11 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "LLM": "minillm.engine.engine",
+    "LLM": "minillm.engine.llm",
     "LLMEngine": "minillm.engine.engine",
     "RequestOutput": "minillm.engine.engine",
     "SamplingParams": "minillm.engine.sampling",
+    "EngineConfig": "minillm.engine.config",
     "load_model": "minillm.model.loader",
     "ModelConfig": "minillm.model.config",
     "PRESETS": "minillm.model.config",

@@ -1,10 +1,14 @@
-"""``python -m minillm <command>``: roofline (the main job), generate, bench, serve, bench-http, doctor."""
+"""``python -m minillm <command>``: roofline (the main job), generate, bench, serve, bench-http, bench-engine, doctor."""
 from __future__ import annotations
 
 import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from minillm.engine.config import EngineConfig
 
 
 def _add_model_args(p: argparse.ArgumentParser, default_model: str | None = "tiny") -> None:
@@ -15,18 +19,79 @@ def _add_model_args(p: argparse.ArgumentParser, default_model: str | None = "tin
     p.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: bf16 on CUDA, fp16 on MPS, fp32 on CPU)")
 
 
+# Engine flags are generated from EngineConfig, one per field, spelled as vLLM spells them
+# (``--max-num-batched-tokens``, ``--no-enable-prefix-caching``): a new engine option gets its
+# flag with no CLI code. These fields have flags of their own, or mean something else here
+# (``generate --seed`` seeds the sampling, EngineConfig.seed a shape twin's weights).
+_NOT_ENGINE_FLAGS = ("model", "tokenizer", "device", "dtype", "seed")
+_ENGINE_HELP = {
+    "max_batch_size": "requests in one step, i.e. KV slots (vLLM's --max-num-seqs)",
+    "max_num_batched_tokens": "tokens one step may hold (default: 2048 chunked; prefill-first: at least the context)",
+    "max_model_len": "context per request (default: the model's, capped to fit the KV memory)",
+    "kv_memory_fraction": "share of free device memory the KV cache may take",
+    "scheduling_policy": "chunked (decodes and prefill chunks share each step) or prefill-first",
+    "enable_prefix_caching": "reuse a finished request's K/V for a later prompt with the same prefix",
+    "enforce_eager": "never capture CUDA graphs",
+    "sync_timing": "synchronise the device before stamping traces (timestamps = work done)",
+    "step_history": "StepRecords the engine keeps (GET /v1/steps)",
+}
+
+
+def _add_engine_args(p: argparse.ArgumentParser, defaults: dict | None = None) -> None:
+    """One flag per EngineConfig field. Values are checked by EngineConfig itself (one place),
+    so a flag takes any string of its type and a bad value is EngineConfig's one-line error."""
+    import typing
+    from dataclasses import MISSING, fields
+    try:
+        from minillm.engine.config import POLICIES, EngineConfig
+    except (ImportError, OSError):   # minillm.engine imports torch: a broken torch must not stop `doctor`
+        return
+    hints = typing.get_type_hints(EngineConfig)
+    g = p.add_argument_group("engine options (EngineConfig)")
+    for f in fields(EngineConfig):
+        if f.name in _NOT_ENGINE_FLAGS:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = (defaults or {}).get(f.name, f.default if f.default is not MISSING else None)
+        help_ = _ENGINE_HELP.get(f.name, f.name) + (f" (default: {default})" if default is not None else "")
+        # None: not given, so EngineConfig's default applies (see engine_config_from_args)
+        if hints[f.name] is bool:
+            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
+            continue
+        kind = next(t for t in (typing.get_args(hints[f.name]) or (hints[f.name],)) if t is not type(None))
+        metavar = "{" + ",".join(POLICIES) + "}" if f.name == "scheduling_policy" else kind.__name__.upper()
+        g.add_argument(flag, type=kind, default=None, metavar=metavar, help=help_)
+
+
+def engine_config_from_args(a: argparse.Namespace, exclude: tuple[str, ...] = (), **defaults) -> EngineConfig:
+    """The EngineConfig a namespace asks for: the flags given (not None), else ``defaults``, else
+    EngineConfig's own. ``exclude``: names that mean something else in this command.
+    Raises ValueError (one line) for a bad value."""
+    from minillm.engine.config import EngineConfig
+    options = dict(defaults)
+    for name in EngineConfig.names():
+        v = getattr(a, name, None)
+        if v is not None and name not in exclude:
+            options[name] = v
+    return EngineConfig(**options)
+
+
+_GENERATE_ENGINE = {"max_batch_size": 1}      # one request: one KV slot is all it needs
+
+
 def cmd_generate(a: argparse.Namespace) -> int:
-    from minillm.engine.engine import LLM, RequestError
+    from minillm.engine import LLM, RequestError
     from minillm.measure.hardware import dtype_bytes
     from minillm.measure.roofline import decode_step_bytes
     from minillm.engine.sampling import SamplingParams
     try:
         params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k,
                                 top_p=a.top_p, seed=a.seed, stop=a.stop or [], ignore_eos=a.ignore_eos)
+        config = engine_config_from_args(a, exclude=("seed",), **_GENERATE_ENGINE)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    llm = LLM(model=a.model, device=a.device, dtype=a.dtype, max_batch_size=1)
+    llm = LLM(config=config)
     if llm.is_shape_twin:
         print(f"[{a.model} is a shape twin: random weights, so the text is gibberish; the timings are real]",
               file=sys.stderr)
@@ -96,7 +161,7 @@ def cmd_roofline(a: argparse.Namespace) -> int:
 def cmd_serve(a: argparse.Namespace) -> int:
     from minillm.serving.server import config_from_args, serve
     try:
-        cfg = config_from_args(a)
+        cfg = config_from_args(a, engine_config_from_args(a))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -115,13 +180,37 @@ def cmd_bench_http(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_engine(a: argparse.Namespace) -> int:
+    from minillm.measure.bench_engine import run_engine_bench
+    parts = tuple(x.strip() for x in a.parts.split(",") if x.strip())
+    unknown = set(parts) - {"stall", "prefix", "packed"}
+    if unknown or not parts:
+        print(f"error: --parts takes stall, prefix, packed (comma-separated), got {a.parts!r}", file=sys.stderr)
+        return 2
+    rep = run_engine_bench(model=a.model, device=a.device, dtype=a.dtype, n_short=a.n_short,
+                           long_prompt=a.long_prompt, chunk=a.chunk, prefix_prompt=a.prefix_prompt,
+                           repeats=a.repeats, parts=parts)
+    print(rep.table())
+    if a.json:
+        _write_json(a.json, rep.to_dict())
+    return 0
+
+
 def cmd_doctor(a: argparse.Namespace) -> int:
     from minillm.doctor import main as doctor_main
     return doctor_main([])
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's own errors (a bad int, an unknown flag) are one line and exit status 2 too,
+    like every other bad input, instead of a screenful of usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see: {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m minillm", description=__doc__)
+    ap = _Parser(prog="python -m minillm", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="stream one completion and print TTFT, TPOT, tok/s, bandwidth")
@@ -134,6 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", help="a stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--tokenizer", default=None, help="a tokenizer directory (default: the model's, or the shipped BPE)")
+    _add_engine_args(g, _GENERATE_ENGINE)
     g.set_defaults(fn=cmd_generate)
 
     b = sub.add_parser("bench", help="batch-1 decode tok/s and achieved bandwidth, minillm vs transformers")
@@ -167,12 +258,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--requests-per-s", type=float, default=None, help="rate limit per key (token bucket)")
     s.add_argument("--tokens-per-min", type=float, default=None, help="token rate limit per key (prompt + max_tokens)")
     s.add_argument("--max-queue-depth", type=int, default=256, help="requests in flight before 503")
-    s.add_argument("--max-batch-size", type=int, default=64)
-    s.add_argument("--max-model-len", type=int, default=None)
     s.add_argument("--burst", type=float, default=None, help="requests a key may send at once (default: one second's worth)")
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     s.add_argument("--torch-threads", type=int, default=None,
                    help="torch intra-op threads (default: one per core; on few cores, leave one to HTTP)")
+    _add_engine_args(s)
     s.set_defaults(fn=cmd_serve)
 
     h = sub.add_parser("bench-http", help="HTTP + SSE overhead: TTFT and ITL through `serve` minus in-process (10.1)")
@@ -188,13 +278,29 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--json", default=None, help="also write the report (with every sample) as JSON here")
     h.set_defaults(fn=cmd_bench_http)
 
+    e = sub.add_parser("bench-engine", help="the stall under prefill-first vs chunked, prefix cache cold vs warm, "
+                                            "packed vs padded prefill (10.4, 10.6)")
+    _add_model_args(e)
+    e.set_defaults(model="cpu-small")
+    e.add_argument("--parts", default="stall,prefix,packed", help="which benchmarks (comma-separated)")
+    e.add_argument("--n-short", type=int, default=8, help="requests decoding when the long prompt arrives")
+    e.add_argument("--long-prompt", type=int, default=2048, help="tokens of the prompt that arrives mid-decode")
+    e.add_argument("--chunk", type=int, default=256, help="max_num_batched_tokens of the chunked run")
+    e.add_argument("--prefix-prompt", type=int, default=1024, help="tokens of the prompt timed cold and warm")
+    e.add_argument("--repeats", type=int, default=3)
+    e.add_argument("--json", default=None, help="also write the report as JSON here")
+    e.set_defaults(fn=cmd_bench_engine)
+
     d = sub.add_parser("doctor", help="check dependencies, the torch build and the devices")
     d.set_defaults(fn=cmd_doctor)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
+    try:
+        a = build_parser().parse_args(argv)
+    except SystemExit as e:      # --help (0) or a parse error (2, already reported)
+        return e.code if isinstance(e.code, int) else 2
     try:
         return a.fn(a)
     except (ValueError, FileNotFoundError, OverflowError) as e:

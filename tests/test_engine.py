@@ -33,7 +33,7 @@ def test_greedy_continuous_batching_equals_transformers_generate(hf_and_llm):
             ref = hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, pad_token_id=0)
         assert o.token_ids == ref[0, len(p):].tolist()
         assert o.finish_reason == "length"
-    assert llm.engine.cache.num_free == llm.engine.cache.num_slots
+    assert llm.engine.allocator.num_free == llm.engine.cache.num_slots
 
 
 def test_decode_batches_are_mixed_lengths(hf_and_llm):
@@ -44,10 +44,12 @@ def test_decode_batches_are_mixed_lengths(hf_and_llm):
     eng.add_request([5] * 4, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), request_id="a")
     eng.step(); eng.step()                       # prefill a, decode a
     eng.add_request([7] * 9, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), request_id="b")
-    eng.step()                                   # prefill b (prefill-first: a waits this step)
+    eng.step()                                   # chunked: a decodes while b is prefilled, one forward
+    rec = eng.step_history[-1]
+    assert (rec.num_decode_rows, rec.num_prefill_rows, rec.num_prefill_tokens) == (1, 1, 9)
     a, b = eng.get("a"), eng.get("b")
     eng.step()                                   # one decode step with both
-    assert a.num_tokens != b.num_tokens and len(a.output_ids) == 3 and len(b.output_ids) == 2
+    assert a.num_tokens != b.num_tokens and len(a.output_ids) == 4 and len(b.output_ids) == 2
     while eng.has_unfinished():
         eng.step()
     assert eng.pop_finished("a").finish_reason == "length" and eng.pop_finished("b").finish_reason == "length"
@@ -119,7 +121,7 @@ def test_prompt_longer_than_context_is_refused_and_loses_nothing(tiny_llm):
     # a bad prompt among good ones: nothing was queued, the engine still works
     with pytest.raises(RequestError):
         tiny_llm.generate(["fine", [1] * n])
-    assert not eng.has_unfinished() and eng.cache.num_free == eng.cache.num_slots
+    assert not eng.has_unfinished() and eng.allocator.num_free == eng.cache.num_slots
     assert tiny_llm.generate(["fine"], SamplingParams(max_tokens=3))[0].token_ids
 
 
@@ -137,7 +139,7 @@ def test_aborts_free_every_slot(tiny_llm):
         eng.step()
     reasons = [eng.pop_finished(r).finish_reason for r in ids]
     assert reasons == ["abort", "length"] * 6
-    assert eng.cache.num_free == eng.cache.num_slots and not eng.cache.used_slots
+    assert eng.allocator.num_free == eng.cache.num_slots and not eng.allocator.used_slots
 
 
 def test_closing_a_stream_early_aborts_and_frees_the_slot(tiny_llm):
@@ -145,13 +147,14 @@ def test_closing_a_stream_early_aborts_and_frees_the_slot(tiny_llm):
     next(it)
     it.close()
     assert tiny_llm.last_output.finish_reason == "abort"
-    assert tiny_llm.engine.cache.num_free == tiny_llm.engine.cache.num_slots
+    assert tiny_llm.engine.allocator.num_free == tiny_llm.engine.cache.num_slots
 
 
 def test_trace_records_every_stage_in_order(tiny_llm):
     out = tiny_llm.generate(["trace me"], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0]
     names = [e.event for e in out.trace]
-    first = ["received", "tokenized", "enqueued", "scheduled", "prefill_start", "prefill_end", "token"]
+    first = ["received", "tokenized", "enqueued", "scheduled", "prefill_start", "prefill_chunk", "prefill_end",
+             "token"]
     assert names[:len(first)] == first
     assert names.count("token") == 5 and names[-1] == "finished"
     assert out.trace.last("finished").extra["reason"] == "length"
@@ -165,35 +168,36 @@ def test_a_failing_step_ends_its_batch_and_the_engine_goes_on(tiny_llm, monkeypa
     """An out-of-memory forward must not kill the engine: that batch ends with "error", its
     slots are freed, and the next request runs normally."""
     eng = tiny_llm.engine
-    free_before = eng.cache.num_free
-    real = eng._forward
+    free_before = eng.allocator.num_free
+    real = eng.runner.execute
     calls = {"n": 0}
 
-    def flaky(batch):
+    def flaky(batch, rec):
         calls["n"] += 1
         if calls["n"] == 2:
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        return real(batch)
+        return real(batch, rec)
 
-    monkeypatch.setattr(eng, "_forward", flaky)
+    monkeypatch.setattr(eng.runner, "execute", flaky)
     rid = eng.add_request([3, 4, 5], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
     eng.step()                                    # prefill ok
     outs = eng.step()                             # decode fails
     assert [(o.request_id, o.finished, o.finish_reason) for o in outs] == [(rid, True, "error")]
-    assert "out of memory" in eng.get(rid).error and eng.cache.num_free == free_before
+    assert "out of memory" in eng.get(rid).error and eng.allocator.num_free == free_before
     assert eng.get(rid).trace.last("finished").extra["reason"] == "error"
     eng.pop_finished(rid)
     out = tiny_llm.generate([[3, 4, 5]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 4
 
 
-def test_prefill_budget_counts_padded_tokens():
-    """A prefill batch is padded to its longest prompt: 3 prompts (400, 100, 100 tokens) cost
-    3 × 400 = 1200 padded tokens, over a budget of 1000, so only the first two go together."""
-    llm = LLM(model="tiny", device="cpu", dtype="fp32", max_batch_size=8, max_num_batched_tokens=1000)
+def test_prefill_first_budget_counts_packed_tokens():
+    """Prompts are packed, not padded: 400 + 500 tokens fit a budget of 1000 together, the
+    third (200 more) waits for the next step; under prefill-first whole prompts only."""
+    llm = LLM(model="tiny", device="cpu", dtype="fp32", max_batch_size=8, max_num_batched_tokens=1000,
+              scheduling_policy="prefill-first")
     eng = llm.engine
     p = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
-    ids = [eng.add_request([5] * n, p) for n in (400, 100, 100)]
+    ids = [eng.add_request([5] * n, p) for n in (400, 500, 200)]
     eng.step()
     started = [eng.get(i).trace.first("prefill_start") is not None for i in ids]
     assert started == [True, True, False]

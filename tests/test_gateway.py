@@ -230,21 +230,22 @@ def test_parse_chat_messages():
     ({"prompt": ["a", "b"]}, "prompt", "Batched prompts are not supported"),
     ({"prompt": [1, 2, 3]}, "prompt", "single string"),
     ({"prompt": 5}, "prompt", "string"),
-    ({"prompt": "x", "max_tokens": 0}, "max_tokens", "at least 1"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens", "≥ 1"),
     ({"prompt": "x", "max_tokens": True}, "max_tokens", "integer"),      # bool is not an int
     ({"prompt": "x", "max_tokens": 4.0}, "max_tokens", "integer"),
     ({"prompt": "x", "max_tokens": "4"}, "max_tokens", "integer"),
-    ({"prompt": "x", "temperature": -0.1}, "temperature", "between 0 and 2"),
-    ({"prompt": "x", "temperature": 2.5}, "temperature", "between 0 and 2"),
-    ({"prompt": "x", "temperature": float("nan")}, "temperature", "between 0 and 2"),
+    ({"prompt": "x", "temperature": -0.1}, "temperature", "[0, 100]"),
+    ({"prompt": "x", "temperature": 101}, "temperature", "[0, 100]"),
+    ({"prompt": "x", "temperature": float("nan")}, "temperature", "[0, 100]"),
+    ({"prompt": "x", "temperature": float("inf")}, "temperature", "[0, 100]"),
+    ({"prompt": "x", "temperature": "0.5"}, "temperature", "number"),
     ({"prompt": "x", "temperature": True}, "temperature", "number"),
     ({"prompt": "x", "top_p": 0}, "top_p", "(0, 1]"),
     ({"prompt": "x", "top_p": 1.5}, "top_p", "(0, 1]"),
-    ({"prompt": "x", "top_k": 0}, "top_k", "-1"),
     ({"prompt": "x", "top_k": -2}, "top_k", "-1"),
     ({"prompt": "x", "top_k": 1.5}, "top_k", "integer"),
     ({"prompt": "x", "seed": "7"}, "seed", "integer"),
-    ({"prompt": "x", "seed": 2 ** 70}, "seed", "64 bits"),
+    ({"prompt": "x", "seed": 2 ** 70}, "seed", "64-bit"),
     ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
     ({"prompt": "x", "stop": [1]}, "stop", "non-empty strings"),
     ({"prompt": "x", "stop": ""}, "stop", "non-empty strings"),
@@ -253,13 +254,50 @@ def test_parse_chat_messages():
     ({"prompt": "x", "stream": "yes"}, "stream", "boolean"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "only allowed"),
     ({"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}}, "include_usage", "boolean"),
-    ({"prompt": "x", "ignore_eos": 1}, "ignore_eos", "boolean"),
+    ({"prompt": "x", "ignore_eos": 1}, "ignore_eos", "true or false"),
+    ({"prompt": "x", "include_stop_str_in_output": "yes"}, "include_stop_str_in_output", "true or false"),
     ({"prompt": "x", "model": 3}, "model", "string"),
     ({"prompt": "x", "model": ""}, "model", "non-empty"),
     ({"prompt": "x", "user": 3}, "user", "string"),
 ])
 def test_parse_completion_rejects(body, param, fragment):
     raises(lambda: parse_completion_body(body, chat=False), 400, "invalid_request", param=param, match=fragment)
+
+
+def test_parse_accepts_what_sampling_params_accepts():
+    # tiny values the sampler handles safely (greedy below 1e-5; top-p keeps the top token)
+    r = parse_completion_body({"prompt": "x", "temperature": 3e-39, "top_p": 1e-300, "top_k": 0,
+                               "include_stop_str_in_output": True, "temperature_ignored": 1}, chat=False)
+    assert (r.temperature, r.top_p, r.top_k, r.include_stop_str_in_output) == (3e-39, 1e-300, 0, True)
+    assert isinstance(parse_completion_body({"prompt": "x", "temperature": 1}, chat=False).temperature, float)
+
+
+# One set of rules: for each value, the gateway accepts it exactly when SamplingParams does,
+# and the SamplingParams the server builds from an admitted request is the one built directly.
+# (JSON null is the API's "not given": it takes the default, so it is not compared here.)
+@pytest.mark.parametrize("field, value", [
+    ("top_k", 0), ("top_k", -1), ("top_k", 1), ("top_k", -2), ("top_k", 1.5), ("top_k", True),
+    ("temperature", 0), ("temperature", 3e-39), ("temperature", 2.5), ("temperature", 100), ("temperature", 100.5),
+    ("temperature", -1e-9), ("top_p", 1e-300), ("top_p", 1), ("top_p", 0), ("top_p", 1.01),
+    ("seed", 2 ** 64 - 1), ("seed", 2 ** 64), ("seed", -(2 ** 63)), ("seed", -(2 ** 63) - 1),
+    ("max_tokens", 1), ("max_tokens", 0), ("ignore_eos", True), ("ignore_eos", 0),
+    ("include_stop_str_in_output", False), ("include_stop_str_in_output", 1),
+    ("stop", ["a"]), ("stop", [""]),
+])
+def test_gateway_and_sampling_params_agree(field, value):
+    from minillm.engine.sampling import SamplingParams
+    try:
+        direct = SamplingParams(**{"max_tokens": 4, field: value})
+    except ValueError:
+        direct = None
+    gate = make_gateway(keys=(), max_model_len=1000)
+    body = {"prompt": "x", "max_tokens": 4, field: value}
+    if direct is None:
+        raises(lambda: gate.admit(None, body, chat=False), 400, "invalid_request", param=field)
+    else:
+        admitted = gate.admit(None, body, chat=False)
+        assert SamplingParams(**admitted.sampling_kwargs()) == direct
+        gate.release(admitted)
 
 
 @pytest.mark.parametrize("body, param, fragment", [
@@ -272,7 +310,8 @@ def test_parse_completion_rejects(body, param, fragment):
     ({"messages": [{"role": "user"}]}, "messages[0].content", "required"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "string"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]", "text"),
-    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "max_completion_tokens", "at least 1"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "max_completion_tokens", "≥ 1"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 4, "max_tokens": -1}, "max_tokens", "≥ 1"),
 ])
 def test_parse_chat_rejects(body, param, fragment):
     raises(lambda: parse_completion_body(body, chat=True), 400, "invalid_request", param=param, match=fragment)

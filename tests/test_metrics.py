@@ -302,3 +302,24 @@ def test_summary_table_rows_and_breakdown_mean():
     assert rows[0]["tpot_s"] == pytest.approx(0.015) and rows[0]["n_gaps"] == 2
     assert rows[1]["ttft_queue_s"] == pytest.approx(0.001)
     json.dumps(s.to_dict(), allow_nan=False)
+
+
+def test_aborted_requests_are_counted_apart_from_completed_and_failed():
+    good = engine_trace("good", [10, 20], finished_ms=30)
+    gone = engine_trace("gone", [12, 25, 31], reason="abort", finished_ms=40)
+    err = engine_trace("err", [5], reason="error", finished_ms=50)
+    s = summarize(metrics_from_traces([good, gone, err]))
+    assert (s.n_ok, s.n_failed, s.n_aborted) == (1, 1, 1)
+    assert s.output_tokens == 2 and s.ttft.count == 1            # the aborted one adds no latency sample
+    assert "1 ok / 1 failed / 1 aborted" in s.table()
+
+
+def test_ttft_ends_at_the_first_non_empty_token():
+    """Token 0 is half a UTF-8 character (no text yet); token 1 completes it: TTFT = 20 ms."""
+    tr = make_trace("utf8", [("received", 0), ("tokenized", 1, {"n_tokens": 4}), ("scheduled", 2),
+                             ("token", 10, {"index": 0}), ("token", 20, {"index": 1}),
+                             ("detokenized", 20.1, {"n_chars": 1}), ("token", 30, {"index": 2}),
+                             ("detokenized", 30.1, {"n_chars": 2}), ("finished", 30, {"reason": "length"})])
+    m = request_metrics(tr)
+    assert m.ttft_s == pytest.approx(0.020, abs=1e-12)
+    assert m.output_tokens == 3 and m.e2e_s == pytest.approx(0.030, abs=1e-12)

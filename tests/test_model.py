@@ -5,7 +5,7 @@ import torch
 from minillm import load_model
 from minillm.model.config import ModelConfig, PRESETS
 from minillm.engine.kv_cache import KVCache
-from minillm.model.transformer import build_attn_meta
+from minillm.engine.attention import AttentionBackend, build_metadata
 
 from hf_reference import LLAMA3_ROPE, make_hf_model
 
@@ -45,34 +45,35 @@ def test_llama3_rope_scaling_changes_logits(tmp_path):
     assert (a - b).abs().max().item() > 1e-3
 
 
-def _cached_logits(model, seqs, prefill_lens, cache):
-    """Prefill the first prefill_lens[b] tokens of each row together (padded), then decode the rest
-    one token per step for all rows at once; return the logits of every position after prefill."""
-    slots = [cache.allocate(f"r{b}") for b in range(len(seqs))]
-    tok = torch.zeros(len(seqs), max(prefill_lens), dtype=torch.long)
-    for b, (s, n) in enumerate(zip(seqs, prefill_lens)):
-        tok[b, :n] = torch.tensor(s[:n])
-    meta = build_attn_meta(slots, [0] * len(seqs), prefill_lens, cache.scratch_pos, torch.device("cpu"))
-    out = [model(tok, cache, meta, last_index=torch.tensor(prefill_lens) - 1)]   # [B, V]
-    pos = list(prefill_lens)
-    steps = min(len(s) for s in seqs) - max(prefill_lens)
+def _cached_logits(model, seqs, prefill_lens, cache, slots):
+    """Packed prefill of every row's first tokens in one forward, then lock-step decodes of
+    different lengths: logits [B, 1 + steps, V]."""
+    backend = AttentionBackend(cache, model.config.num_heads, model.config.num_kv_heads, model.config.head_dim)
+    cpu = torch.device("cpu")
+    toks = [t for s, n in zip(seqs, prefill_lens) for t in s[:n]]
+    pos = [p for n in prefill_lens for p in range(n)]
+    last = torch.tensor(prefill_lens).cumsum(0) - 1                           # each row's last token
+    backend.begin(build_metadata(cache, [], [(sl, 0, n) for sl, n in zip(slots, prefill_lens)], cpu))
+    out = [model.forward_packed(torch.tensor(toks), torch.tensor(pos), backend, last)]   # [B, V]
+    cur, steps = list(prefill_lens), 6
     for _ in range(steps):
-        tok = torch.tensor([[s[p]] for s, p in zip(seqs, pos)])
-        meta = build_attn_meta(slots, pos, [1] * len(seqs), cache.scratch_pos, torch.device("cpu"))
-        out.append(model(tok, cache, meta)[:, -1])
-        pos = [p + 1 for p in pos]
-    return torch.stack(out, 1), slots, steps
+        backend.begin(build_metadata(cache, [(sl, p) for sl, p in zip(slots, cur)], [], cpu))
+        tok = torch.tensor([s[p] for s, p in zip(seqs, cur)])
+        out.append(model.forward_packed(tok, torch.tensor(cur), backend, torch.arange(len(seqs))))
+        cur = [p + 1 for p in cur]
+    return torch.stack(out, 1), steps
 
 
 @pytest.mark.parametrize("preset", ["tiny"])
 def test_kv_cache_decode_equals_recompute(preset):
     model = load_model(preset, device="cpu", dtype="fp32", seed=3)
     cache = KVCache(model.config, num_slots=4, max_len=64, device="cpu", dtype=torch.float32)
-    cache.allocate("someone-else")    # slot 0 busy: the batch's slots are not 0..B-1
+    slots = [3, 1, 2]                  # not 0..B-1, not in order: the decode reads gather
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, 8192, (30,), generator=g).tolist() for _ in range(3)]
-    prefill_lens = [5, 12, 9]          # different lengths in one padded prefill
-    got, slots, steps = _cached_logits(model, seqs, prefill_lens, cache)
+    prefill_lens = [5, 12, 9]          # different lengths packed in one prefill
+    with torch.no_grad():
+        got, steps = _cached_logits(model, seqs, prefill_lens, cache, slots)
     with torch.no_grad():
         for b, s in enumerate(seqs):
             full = model(torch.tensor([s]))[0]                        # [T, V] recomputed without cache
@@ -80,9 +81,6 @@ def test_kv_cache_decode_equals_recompute(preset):
             # rows decode in lock-step from their own lengths; compare each row to its own positions
             want = torch.stack([full[n - 1]] + [full[n + i] for i in range(steps)])
             assert (got[b] - want).abs().max().item() <= 1e-4
-    for s in slots:
-        cache.free(s)
-    assert cache.num_free == 3
 
 
 def test_shape_twin_is_deterministic_and_has_real_shapes():

@@ -1,33 +1,38 @@
-"""The engine: ``LLMEngine.step()`` is one forward pass; ``LLM`` is the vLLM-shaped front door.
+"""The engine: ``LLMEngine.step()`` is one forward pass (design.md §8).
 
-    add_request ─► tokenize ─► scheduling queue ─► step(): prefill | decode ─► sample ─► detokenize
-                                                       ▲                                   │
-                                                       └──────── running batch ◄───────────┘
+    add_request ─► tokenize ─► Sequence ─► Scheduler.schedule() ─► [(seq, num_new), …]
+        ─► ModelRunner: pack, forward, sample ─► OutputProcessor: detokenize, stop rules
+        ─► StepOutputs (and one StepRecord)
 
 Continuous batching (10.3): the running batch is re-formed every step. A request that
-finishes leaves at once and frees its KV slot; a waiting one is prefilled and joins the
-decode batch on the next step. Nobody waits for the slowest request of a "batch".
+finishes leaves at once and frees its KV slot; a waiting one joins as soon as the policy lets
+it (chunked: in the same step as the decodes). Nobody waits for the slowest request of a "batch".
 """
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
+from pathlib import Path
 
 import torch
 
-from minillm.model.config import ModelConfig
-from minillm.measure.hardware import default_dtype, free_memory_bytes, parse_dtype, pick_device, synchronize
+from minillm.engine.config import EngineConfig
 from minillm.engine.kv_cache import KVCache, size_kv_cache
-from minillm.model.loader import is_shape_twin, load_model, resolve_checkpoint
-from minillm.model.transformer import Transformer, build_attn_meta
-from minillm.engine.sampling import SamplingParams, make_generator, sample_next
-from minillm.engine.scheduler import Batch, Scheduler
-from minillm.engine.sequence import Sequence, Status
-from minillm.engine.tokenizer import IncrementalDetokenizer, encode_prompt, load_tokenizer
+from minillm.engine.output import OutputProcessor
+from minillm.engine.prefix_cache import SlotAllocator
+from minillm.engine.runner import ModelRunner
+from minillm.engine.sampling import SamplingParams, make_generator
+from minillm.engine.scheduler import ScheduledBatch, Scheduler
+from minillm.engine.sequence import Sequence
+from minillm.engine.step_record import StepHistory, StepRecord
+from minillm.engine.tokenizer import encode_prompt
+from minillm.measure.hardware import free_memory_bytes
 from minillm.measure.trace import Trace, now_ns
+from minillm.model.config import ModelConfig
+from minillm.model.transformer import Transformer
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +59,7 @@ class RequestOutput:
     token_ids: list[int]
     finish_reason: str | None
     trace: Trace = field(repr=False)
+    num_cached_tokens: int = 0        # prompt tokens served by the prefix cache
 
     @property
     def metrics(self):
@@ -62,33 +68,47 @@ class RequestOutput:
 
 
 class LLMEngine:
-    def __init__(self, model: Transformer, tokenizer, *, max_batch_size: int = 64,
-                 max_num_batched_tokens: int | None = None, max_model_len: int | None = None,
-                 kv_memory_fraction: float = 0.5, sync_timing: bool = True):
+    def __init__(self, model: Transformer, tokenizer, config: EngineConfig | None = None,
+                 eos_ids: set[int] | None = None, **options):
+        """``config`` (or the same fields as keywords) holds every option; see EngineConfig."""
+        self.engine_config = config or EngineConfig(**options)
+        ec = self.engine_config
         self.model, self.tokenizer = model, tokenizer
         self.config: ModelConfig = model.config
         self.device = model.device
-        self.sync_timing = sync_timing
-        want_len = min(max_model_len or min(self.config.max_position_embeddings, 4096),
-                       self.config.max_position_embeddings)
-        spec = size_kv_cache(self.config, model.dtype, max_batch_size, want_len,
-                             free_bytes=free_memory_bytes(self.device), memory_fraction=kv_memory_fraction)
+        self.sync_timing = ec.sync_timing
+        if ec.max_model_len is not None and ec.max_model_len > self.config.max_position_embeddings:
+            raise ValueError(f"max_model_len={ec.max_model_len} is longer than the model's context "
+                             f"({self.config.max_position_embeddings} positions)")
+        spec = size_kv_cache(self.config, model.dtype, ec.max_batch_size, ec.max_model_len,
+                             free_bytes=free_memory_bytes(self.device), memory_fraction=ec.kv_memory_fraction)
         self.max_model_len = spec.max_len
         self.cache = KVCache(self.config, spec.num_slots, spec.max_len, self.device, model.dtype)
-        self.scheduler = Scheduler(self.cache, max_batch_size,
-                                   max_num_batched_tokens or max(2048, self.max_model_len))
-        self.eos_ids = self._eos_ids()
+        log.info("KV cache: %d slots × %d tokens = %.2f GiB on %s%s", spec.num_slots, spec.max_len,
+                 spec.bytes_total / 2**30, self.device,
+                 "" if ec.max_model_len else " (max_model_len: the model's context, capped to fit)")
+        self.allocator = SlotAllocator(spec.num_slots, ec.enable_prefix_caching)
+        self.scheduler = Scheduler(self.allocator, ec.max_batch_size, ec.resolved_budget(self.max_model_len),
+                                   ec.scheduling_policy)
+        self.runner = ModelRunner(model, self.cache, ec.max_batch_size, enforce_eager=ec.enforce_eager,
+                                  sync_timing=ec.sync_timing, seed=ec.seed)
+        self.output = OutputProcessor(tokenizer, self.max_model_len)
+        self.step_history = StepHistory(ec.step_history)
+        self.eos_ids = frozenset(eos_ids if eos_ids is not None else self._eos_ids())
         self._seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
+        self._steps = itertools.count()
         self._lock = threading.RLock()   # add/abort may come from other threads (the server)
+        self._stepping_thread: int | None = None
 
-    def _eos_ids(self) -> frozenset[int]:
+    def _eos_ids(self) -> set[int]:
+        """EOS ids from config.json and the tokenizer (``LLM`` adds generation_config.json)."""
         ids: set[int] = set()
         eos = self.config.eos_token_id
         ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             ids.add(self.tokenizer.eos_token_id)
-        return frozenset(ids)
+        return ids
 
     # ------------------------------------------------------------------ requests in and out
     def prepare(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -111,8 +131,8 @@ class LLMEngine:
         trace.record("tokenized", n_tokens=len(ids))
         self.validate_prompt_ids(ids)
         seq = Sequence(rid, text, ids, params, trace, eos_ids=self.eos_ids)
-        seq.generator = make_generator(params)
-        seq.detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=ids)
+        seq.generator = make_generator(params, self.device)
+        seq.output = self.output.new_state(ids)
         return seq
 
     def validate_prompt_ids(self, ids: list[int]) -> None:
@@ -171,51 +191,78 @@ class LLMEngine:
         return len(self.scheduler.waiting)
 
     # ------------------------------------------------------------------ one step = one forward
-    @torch.inference_mode()
     def step(self) -> list[StepOutput]:
+        self._check_thread()
         with self._lock:
+            rec = StepRecord(next(self._steps), now_ns())
             batch = self.scheduler.schedule()
             if batch is None:
                 return []
+            self._describe(batch, rec)
+            rec.mark(now_ns())                                                    # scheduled
+            self._record_prefill_start(batch, rec.t_ns[-1])
             try:
-                logits = self._forward(batch)                               # [B, V]
-                token_ids = sample_next(logits, [s.params for s in batch.seqs],
-                                        [s.generator for s in batch.seqs]) # host ints: device work is done
+                token_ids = self.runner.execute(batch, rec)
             except Exception as e:   # e.g. out of memory: fail this batch, keep the engine alive
+                rec.error = f"{type(e).__name__}: {e}"
+                self.step_history.append(rec)
                 return self._fail_batch(batch, e)
-            t = now_ns()
-            return [self._append_token(seq, tok, t) for seq, tok in zip(batch.seqs, token_ids)]
+            t = rec.t_ns[-1]
+            outs = []
+            for (seq, n), tok in zip(batch.rows, token_ids):
+                was_prefill = seq.in_prefill
+                seq.num_computed += n
+                if was_prefill:
+                    self._record_chunk(seq, n, rec, t)
+                if tok is not None:
+                    outs.append(self._append_token(seq, tok, t))
+            rec.mark(now_ns())                                                    # outputs processed
+            self.step_history.append(rec)
+            return outs
 
-    def _forward(self, batch: Batch) -> torch.Tensor:
-        seqs = batch.seqs
-        slots = [s.slot for s in seqs]
-        if batch.is_prefill:
-            lens = [s.num_prompt_tokens for s in seqs]
-            tokens = torch.zeros(len(seqs), max(lens), dtype=torch.long)   # [B, T] right-padded
-            for b, s in enumerate(seqs):
-                tokens[b, : lens[b]] = torch.tensor(s.prompt_ids)
-            t0 = now_ns()
-            for s in seqs:
-                s.trace.record("prefill_start", t_ns=t0, batch_size=len(seqs), n_tokens=sum(lens))
-            meta = build_attn_meta(slots, [0] * len(seqs), lens, self.cache.scratch_pos, self.device)
-            logits = self.model(tokens.to(self.device), self.cache, meta,
-                                last_index=torch.tensor(lens, device=self.device) - 1)   # [B, V]
-            if self.sync_timing:
-                synchronize(self.device)   # stamp when the device finished, not when we launched
-            t1 = now_ns()
-            for s in seqs:
-                s.trace.record("prefill_end", t_ns=t1)
-            return logits
-        tokens = torch.tensor([[s.last_token] for s in seqs], device=self.device)  # [B, 1]
-        meta = build_attn_meta(slots, [s.num_cached for s in seqs], [1] * len(seqs),
-                               self.cache.scratch_pos, self.device)
-        return self.model(tokens, self.cache, meta)[:, -1]                  # [B, V]
+    def _check_thread(self) -> None:
+        """Only one thread steps an engine (the server's engine thread, or the caller of
+        ``LLM.generate``): two steppers would interleave forwards on one KV cache."""
+        me = threading.get_ident()
+        if self._stepping_thread is None:
+            self._stepping_thread = me
+        elif self._stepping_thread != me:
+            raise RuntimeError("LLMEngine.step() was called from a second thread; one thread owns the "
+                               "engine's steps (add_request and abort are safe from any thread)")
 
-    def _fail_batch(self, batch: Batch, error: Exception) -> list[StepOutput]:
+    @staticmethod
+    def _describe(batch: ScheduledBatch, rec: StepRecord) -> None:
+        rec.num_rows = len(batch.rows)
+        for s, n in batch.rows:
+            if s.in_prefill:
+                rec.num_prefill_rows += 1
+                rec.num_prefill_tokens += n
+            else:
+                rec.num_decode_rows += 1
+                rec.num_decode_tokens += n
+
+    @staticmethod
+    def _record_prefill_start(batch: ScheduledBatch, t_ns: int) -> None:
+        rows = [(s, n) for s, n in batch.rows if s.in_prefill]
+        total = sum(n for _, n in rows)
+        for s, n in rows:
+            if s.trace.first("prefill_start") is None:
+                s.trace.record("prefill_start", t_ns=t_ns, batch_size=len(batch.rows), n_tokens=total,
+                               cached_tokens=s.num_cached_tokens)
+
+    def _record_chunk(self, seq: Sequence, n: int, rec: StepRecord, t_end: int) -> None:
+        """``prefill_chunk`` per chunk; ``prefill_end`` when the prompt is done, so the TTFT
+        breakdown (queue → prefill) still telescopes."""
+        seq.trace.record("prefill_chunk", t_ns=t_end, t_start_ns=rec.t_ns[0], tokens=n,
+                         step=rec.step, decode_rows=rec.num_decode_rows)
+        if not seq.in_prefill:
+            seq.trace.record("prefill_end", t_ns=t_end)
+
+    def _fail_batch(self, batch: ScheduledBatch, error: Exception) -> list[StepOutput]:
         """The forward pass failed: end the requests in it with reason "error" (their slots are
         freed) and report it; requests outside this batch are untouched."""
         msg = f"{type(error).__name__}: {error}"
-        log.error("step failed for %d request(s): %s", len(batch.seqs), msg)
+        log.error("step failed for %d request(s): %s", len(batch.rows), msg)
         outs = []
         for seq in batch.seqs:
             seq.error = msg
@@ -226,51 +273,10 @@ class LLMEngine:
     def _append_token(self, seq: Sequence, token_id: int, t_ns: int) -> StepOutput:
         seq.output_ids.append(token_id)
         seq.trace.record("token", t_ns=t_ns, index=len(seq.output_ids) - 1, token_id=token_id)
-        reason = self._stop_reason(seq, token_id)
-        if not (token_id in seq.eos_ids and not seq.params.ignore_eos):   # EOS adds no text
-            seq.text += seq.detok.push(token_id)
-        if reason is not None:
-            seq.text += seq.detok.flush()      # finishing: release anything held back
-        reason = self._check_stop_strings(seq) or reason
-        delta = self._take_delta(seq, final=reason is not None)
+        delta, reason = self.output.append(seq, token_id)
         if reason is not None:
             self._finish(seq, reason)
         return StepOutput(seq.request_id, token_id, delta, reason is not None, reason)
-
-    def _stop_reason(self, seq: Sequence, token_id: int) -> str | None:
-        p = seq.params
-        if not p.ignore_eos and token_id in seq.eos_ids:
-            return "stop"
-        if token_id in p.stop_token_ids:
-            return "stop"
-        if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
-
-    @staticmethod
-    def _check_stop_strings(seq: Sequence) -> str | None:
-        """Cut the text at the first stop string (it is not part of the output, as in vLLM)."""
-        if not seq.params.stop:
-            return None
-        longest = max(map(len, seq.params.stop))
-        start = max(0, seq.emitted - longest)
-        hits = [i for i in (seq.text.find(s, start) for s in seq.params.stop) if i >= 0]
-        if not hits:
-            return None
-        seq.text = seq.text[: min(hits)]
-        return "stop"
-
-    @staticmethod
-    def _take_delta(seq: Sequence, final: bool) -> str:
-        # While running, hold back a tail that could be the start of a stop string, so the
-        # streamed deltas always add up to the final text.
-        hold = 0 if final or not seq.params.stop else max(map(len, seq.params.stop)) - 1
-        end = max(seq.emitted, len(seq.text) - hold)
-        delta = seq.text[seq.emitted : end]
-        seq.emitted = end
-        if delta:
-            seq.trace.record("detokenized", n_chars=len(delta))
-        return delta
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
@@ -278,68 +284,19 @@ class LLMEngine:
 
     def output_of(self, seq: Sequence) -> RequestOutput:
         return RequestOutput(seq.request_id, seq.prompt, list(seq.prompt_ids), seq.text,
-                             list(seq.output_ids), seq.finish_reason, seq.trace)
+                             list(seq.output_ids), seq.finish_reason, seq.trace, seq.num_cached_tokens)
 
 
-class LLM:
-    """``LLM(model="tiny")`` then ``generate`` / ``stream`` (the API mirrors vLLM's).
-
-    ``model``: a preset (a shape twin with random weights: its text is gibberish, its speed is
-    real), a Hugging Face checkpoint directory, or a hub id available on this machine.
-    """
-    def __init__(self, model: str = "tiny", tokenizer: str | None = None, device: str | None = None,
-                 dtype: str | torch.dtype | None = None, seed: int = 0, max_batch_size: int = 64,
-                 max_num_batched_tokens: int | None = None, max_model_len: int | None = None,
-                 kv_memory_fraction: float = 0.5, sync_timing: bool = True):
-        self.device = pick_device(device)
-        self.dtype = parse_dtype(dtype) if dtype is not None else default_dtype(self.device)
-        self.model_name = str(model)
-        self.is_shape_twin = is_shape_twin(model)
-        if tokenizer is None and not self.is_shape_twin:
-            tokenizer = str(resolve_checkpoint(model))
-        self.tokenizer = load_tokenizer(tokenizer)
-        self.model = load_model(model, self.device, self.dtype, seed)
-        self.engine = LLMEngine(self.model, self.tokenizer, max_batch_size=max_batch_size,
-                                max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                                kv_memory_fraction=kv_memory_fraction, sync_timing=sync_timing)
-
-    def generate(self, prompts: str | list[str] | list[list[int]],
-                 params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        if len(params_list) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params_list)} SamplingParams")
-        seqs = [self.engine.prepare(p, sp) for p, sp in zip(prompts, params_list)]  # all validated first
-        for s in seqs:
-            self.engine.enqueue(s)
-        bar = _progress(len(seqs)) if use_tqdm else None
-        while any(not s.finished for s in seqs):
-            for o in self.engine.step():
-                if o.finished and bar is not None:
-                    bar.update(1)
-        if bar is not None:
-            bar.close()
-        return [self.engine.output_of(self.engine.pop_finished(s.request_id)) for s in seqs]
-
-    def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield text deltas as they are produced. Closing the iterator early aborts the request."""
-        rid = self.engine.add_request(prompt, params)
-        seq = self.engine.get(rid)
-        try:
-            while not seq.finished:
-                for o in self.engine.step():
-                    if o.request_id == rid and o.delta:
-                        yield o.delta
-            if seq.finish_reason == "error":
-                raise RuntimeError(f"request {rid} failed: {seq.error}")
-        finally:
-            if not seq.finished:
-                self.engine.abort(rid)
-            self.last_output = self.engine.output_of(self.engine.pop_finished(rid))
-
-
-def _progress(total: int):
-    from tqdm.auto import tqdm
-    return tqdm(total=total, unit="req")
+def generation_config_eos(checkpoint_dir: str | Path | None) -> set[int]:
+    """EOS ids a checkpoint's ``generation_config.json`` adds (Llama-3 Instruct ends turns with
+    <|eot_id|> there, not in config.json)."""
+    if checkpoint_dir is None:
+        return set()
+    p = Path(checkpoint_dir) / "generation_config.json"
+    if not p.is_file():
+        return set()
+    try:
+        eos = json.loads(p.read_text()).get("eos_token_id")
+    except (OSError, ValueError):
+        return set()
+    return set(eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])

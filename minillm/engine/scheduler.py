@@ -1,42 +1,68 @@
-"""The scheduling queue (chapter 10.1) and continuous batching.
+"""The scheduling queue (chapter 10.1) and what one step holds (10.3 continuous batching, 10.4).
 
-Every step the scheduler decides what the one forward pass will hold:
-- if requests wait and KV slots are free: a **prefill** step for as many waiting requests
-  as fit in the slots, the batch size and the per-step token budget (first come, first served);
-- otherwise a **decode** step: one token for every running request.
+Policy only: every step the scheduler returns rows ``(sequence, num_new_tokens)`` within two
+limits, ``max_batch_size`` rows (vLLM's max_num_seqs; one KV slot each) and
+``max_num_batched_tokens`` tokens. It asks the slot allocator for capacity; it owns no tensors.
 
-Prefill first is nano-vllm's and early vLLM's policy. It gives new requests a short TTFT, and
-it is exactly why "a long prefill stalls every decoding request" (10.4): during that step
-nobody decodes, which shows up as one long inter-token gap in the ITL distribution (10.2).
+Two policies:
+
+- ``"prefill-first"`` (nano-vllm's and early vLLM's): if requests wait and slots are free, the
+  step is a prefill of as many whole prompts as fit; otherwise it is a decode of every running
+  request. New requests get a short TTFT, and this is exactly why "a long prefill stalls every
+  decoding request" (10.4): during that step nobody decodes, one long inter-token gap.
+- ``"chunked"`` (Sarathi-Serve; vLLM V1's default): every running decode gets its one token
+  first, then the rest of the budget goes to prefill chunks, oldest request first. A long
+  prompt spreads over several steps; a decode row and a chunk share one forward, so decoders
+  never wait for a whole prompt.
 """
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from minillm.engine.kv_cache import KVCache
+from minillm.engine.prefix_cache import SlotAllocator
 from minillm.engine.sequence import Sequence, Status
 
 
 @dataclass
-class Batch:
-    seqs: list[Sequence]
-    is_prefill: bool
+class ScheduledBatch:
+    """The rows of one step: decode rows first, then prefill chunks (the packed order)."""
+    rows: list[tuple[Sequence, int]] = field(default_factory=list)
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return [s for s, _ in self.rows]
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_prompt_tokens for s in self.seqs) if self.is_prefill else len(self.seqs)
+        return sum(n for _, n in self.rows)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(n for s, n in self.rows if not s.in_prefill)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(n for s, n in self.rows if s.in_prefill)
+
+    @property
+    def is_prefill(self) -> bool:       # any prefill work in this step (10.4's stall marker)
+        return any(s.in_prefill for s, _ in self.rows)
 
 
 class Scheduler:
-    def __init__(self, cache: KVCache, max_batch_size: int, max_num_batched_tokens: int):
+    def __init__(self, allocator: SlotAllocator, max_batch_size: int, max_num_batched_tokens: int,
+                 policy: str = "chunked"):
         if max_batch_size < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_batch_size and max_num_batched_tokens must be ≥ 1")
-        self.cache = cache
+        if policy not in ("chunked", "prefill-first"):
+            raise ValueError(f"unknown scheduling policy {policy!r}")
+        self.allocator = allocator
         self.max_batch_size = max_batch_size
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.policy = policy
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.running: list[Sequence] = []      # admission order
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
@@ -46,39 +72,61 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> Batch | None:
-        prefill = self._admit_waiting()
-        if prefill:
-            return Batch(prefill, is_prefill=True)
-        if self.running:
-            return Batch(list(self.running), is_prefill=False)
-        return None
+    def schedule(self) -> ScheduledBatch | None:
+        batch = self._chunked() if self.policy == "chunked" else self._prefill_first()
+        return batch if batch.rows else None
 
-    def _admit_waiting(self) -> list[Sequence]:
-        admitted: list[Sequence] = []
-        tokens, longest = 0, 0
-        while self.waiting and self.cache.num_free and len(self.running) < self.max_batch_size:
+    # ---------------------------------------------------------------- the two policies
+    def _prefill_first(self) -> ScheduledBatch:
+        batch, budget = ScheduledBatch(), self.max_num_batched_tokens
+        while self.waiting and self.allocator.num_free and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
-            # The prefill batch is padded to its longest prompt, so the budget counts padded
-            # tokens (rows × longest): one 1000-token prompt must not turn three short ones into
-            # 4000 tokens of work. A prompt longer than the whole budget still runs, alone.
-            padded = (len(admitted) + 1) * max(longest, seq.num_prompt_tokens)
-            if admitted and padded > self.max_num_batched_tokens:
+            _, hit = self.allocator.match(seq.prompt_ids)
+            need = seq.num_prompt_tokens - hit
+            # whole prompts only; one longer than the whole budget still runs, alone
+            if batch.rows and need > budget:
                 break
-            longest = max(longest, seq.num_prompt_tokens)
-            self.waiting.popleft()
-            seq.slot = self.cache.allocate(seq.request_id)
-            seq.status = Status.RUNNING
-            self.running.append(seq)
-            seq.trace.record("scheduled", slot=seq.slot, queue_depth=len(self.waiting))
-            admitted.append(seq)
-            tokens = len(admitted) * longest
-            if tokens >= self.max_num_batched_tokens:
+            self._admit(seq)
+            batch.rows.append((seq, seq.num_to_compute))
+            budget -= seq.num_to_compute
+            if budget <= 0:
                 break
-        return admitted
+        if batch.rows:
+            return batch
+        return ScheduledBatch([(s, 1) for s in self.running])
+
+    def _chunked(self) -> ScheduledBatch:
+        budget = self.max_num_batched_tokens
+        decodes = [s for s in self.running if not s.in_prefill]
+        prefills = [s for s in self.running if s.in_prefill]      # prompts already started
+        batch = ScheduledBatch([(s, 1) for s in decodes[:budget]])
+        budget -= len(batch.rows)
+        for seq in prefills:
+            if budget <= 0:
+                break
+            n = min(seq.num_to_compute, budget)
+            batch.rows.append((seq, n))
+            budget -= n
+        while budget > 0 and self.waiting and self.allocator.num_free and len(self.running) < self.max_batch_size:
+            seq = self.waiting[0]
+            self._admit(seq)
+            n = min(seq.num_to_compute, budget)
+            batch.rows.append((seq, n))
+            budget -= n
+        return batch
+
+    def _admit(self, seq: Sequence) -> None:
+        self.waiting.popleft()
+        seq.slot, seq.num_cached_tokens = self.allocator.allocate(seq.request_id, seq.prompt_ids)
+        seq.num_computed = seq.num_cached_tokens
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        seq.trace.record("scheduled", slot=seq.slot, queue_depth=len(self.waiting),
+                         cached_tokens=seq.num_cached_tokens)
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Leave the batch and give the slot back (finished, stopped or aborted)."""
+        """Leave the batch and give the slot back (finished, stopped or aborted). The slot
+        remembers the tokens whose K/V it holds, for the prefix cache."""
         if seq.status is Status.FINISHED:
             return
         if seq.status is Status.WAITING:
@@ -86,7 +134,8 @@ class Scheduler:
         else:
             self.running.remove(seq)
         if seq.slot is not None:
-            self.cache.free(seq.slot)
+            keep = seq.all_token_ids[:seq.num_computed] if reason != "error" else []
+            self.allocator.free(seq.slot, keep)
             seq.slot = None
         seq.status = Status.FINISHED
         seq.finish_reason = reason

@@ -1,4 +1,12 @@
-"""One request inside the engine: its tokens, its slot, its trace (design.md §1)."""
+"""One request inside the engine: its tokens, its slot, its progress, its trace (design.md §1, §8).
+
+Progress is *stored*, not derived (nano-vllm's idea): ``num_computed`` counts the tokens whose
+K/V are in the cache. A step gives a row ``num_new`` tokens to compute; afterwards
+``num_computed += num_new``. When every known token is computed, the row's last logits are
+sampled and one token is appended, so a decoding row always has exactly one token to compute.
+A prompt longer than the step's budget therefore spreads over several steps (chunked prefill)
+without any special case.
+"""
 from __future__ import annotations
 
 import enum
@@ -11,12 +19,12 @@ from minillm.measure.trace import Trace
 
 
 class Status(enum.Enum):
-    WAITING = "waiting"      # in the scheduling queue
-    RUNNING = "running"      # owns a KV slot, decodes one token per step
+    WAITING = "waiting"      # in the scheduling queue, no slot
+    RUNNING = "running"      # owns a KV slot: prefilling (maybe in chunks) or decoding
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)         # compared by identity: two requests are never "equal"
 class Sequence:
     request_id: str
     prompt: str | None
@@ -27,12 +35,12 @@ class Sequence:
     status: Status = Status.WAITING
     slot: int | None = None
     output_ids: list[int] = field(default_factory=list)
-    text: str = ""                     # detokenized output so far (stop strings removed)
-    emitted: int = 0                   # chars of ``text`` already handed out as deltas
+    num_computed: int = 0              # tokens whose K/V are in the cache (stored, see above)
+    num_cached_tokens: int = 0         # of the prompt, served by the prefix cache (a hit)
     finish_reason: str | None = None   # "stop" | "length" | "abort" | "error"
     error: str | None = None           # why, when finish_reason is "error"
-    generator: torch.Generator | None = None
-    detok: object | None = None        # minillm.engine.tokenizer.IncrementalDetokenizer
+    generator: torch.Generator | None = None   # only for seeded, non-greedy requests
+    output: object | None = None       # minillm.engine.output.OutputState: text, detokenizer
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -43,10 +51,24 @@ class Sequence:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
-    def num_cached(self) -> int:
-        """Tokens whose K/V are in the cache: all but the newest output token, which the next
-        decode step feeds in (it was sampled, not yet run through the model)."""
-        return self.num_tokens - 1 if self.output_ids else 0
+    def num_to_compute(self) -> int:
+        """Tokens known but not yet run through the model (1 for a decoding row)."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < self.num_prompt_tokens
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens ``[start, end)`` of prompt + output."""
+        p = len(self.prompt_ids)
+        if end <= p:
+            return self.prompt_ids[start:end]
+        return (self.prompt_ids[start:] if start < p else []) + self.output_ids[max(0, start - p): end - p]
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
 
     @property
     def last_token(self) -> int:
@@ -55,3 +77,8 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    # Text is kept by the output processor; these keep the old attribute names working.
+    @property
+    def text(self) -> str:
+        return self.output.text if self.output is not None else ""

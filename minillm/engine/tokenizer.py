@@ -58,10 +58,14 @@ def load_tokenizer(name_or_path: str | Path | None = None):
 
 
 def encode_prompt(tokenizer, prompt: str) -> list[int]:
-    """Text → ids, with the tokenizer's own special tokens (a Llama tokenizer adds BOS)."""
+    """Text → ids, with the tokenizer's own special tokens (a Llama tokenizer adds BOS), unless
+    the text already starts with the BOS string (a chat template that writes {{ bos_token }}):
+    then adding them would give two BOS tokens."""
     if not isinstance(prompt, str):
         raise TypeError(f"prompt must be a string, got {type(prompt).__name__}")
-    return list(tokenizer.encode(prompt, add_special_tokens=True))
+    bos = getattr(tokenizer, "bos_token", None)
+    add = not (isinstance(bos, str) and bos and prompt.startswith(bos))
+    return list(tokenizer.encode(prompt, add_special_tokens=add))
 
 
 def apply_chat(tokenizer, messages: list[dict]) -> str:

@@ -434,7 +434,7 @@ def run_http_overhead(model: str = "tiny", device: str | None = "cpu", dtype: st
     import httpx
     import torch
 
-    from minillm.engine.engine import LLM
+    from minillm.engine.llm import LLM
     from minillm.measure.hardware import describe_hardware, dtype_name
     from minillm.engine.sampling import SamplingParams
     from minillm.serving.server import ServerConfig, ServerThread

@@ -176,7 +176,7 @@ def request_metrics(trace: Trace) -> RequestMetrics:
     else:
         prompt_tokens = 0
 
-    ttft = _s(times[0] - t0) if times else None
+    ttft = _s(_first_text_token_ns(trace, times) - t0) if times else None
     e2e = _s(times[-1] - t0) if times else None
     return RequestMetrics(
         request_id=trace.request_id, prompt_tokens=prompt_tokens, output_tokens=len(times),
@@ -186,6 +186,19 @@ def request_metrics(trace: Trace) -> RequestMetrics:
         t_start_ns=t0, t_end_ns=fin.t_ns if fin is not None else max(e.t_ns for e in trace),
         ok=error is None, finish_reason=reason, side="engine", error=error,
         deliveries=[(t, 1) for t in times])
+
+
+def _first_text_token_ns(trace: Trace, times: list[int]) -> int:
+    """TTFT ends at the first *non-empty* token delivered (design.md §2): a token that is half
+    a UTF-8 character, or text held back by a stop string, delivers nothing yet. The engine
+    records ``detokenized`` right after the step whose token released the text, so the first
+    non-empty token is the last ``token`` at or before the first ``detokenized``. A trace with
+    no ``detokenized`` event (no text at all, or hand-made) uses the first token."""
+    det = trace.first("detokenized")
+    if det is None:
+        return times[0]
+    before = [t for t in times if t <= det.t_ns]
+    return before[-1] if before else times[0]
 
 
 def metrics_from_traces(traces: Iterable[Trace]) -> list[RequestMetrics]:
@@ -360,8 +373,8 @@ class Summary:
     (``duration_s``) spans every request, failed ones included, from first arrival to last
     completion. Token counts and requests/s count successful requests (as vLLM)."""
     side: str
-    n_ok: int
-    n_failed: int
+    n_ok: int                      # completed (finished by stop or length)
+    n_failed: int                  # rejected, errored, or no output token
     duration_s: float
     input_tokens: int
     output_tokens: int
@@ -382,6 +395,7 @@ class Summary:
     steady_input_tok_s: float | None = None
     steady_output_tok_s: float | None = None
     steady_requests_s: float | None = None
+    n_aborted: int = 0             # aborted by the client: neither completed nor failed
 
     def to_dict(self) -> dict[str, Any]:
         """Plain, JSON-safe data (NaN becomes None)."""
@@ -402,7 +416,8 @@ class Summary:
             return "-" if x is None or math.isnan(x) else f"{x:.2f}"
 
         w = 22
-        lines = [f"{'requests':<{w}}{self.n_ok} ok / {self.n_failed} failed  ({self.side} side)",
+        lines = [f"{'requests':<{w}}{self.n_ok} ok / {self.n_failed} failed"
+                 + (f" / {self.n_aborted} aborted" if self.n_aborted else "") + f"  ({self.side} side)",
                  f"{'window':<{w}}{self.duration_s:.3f} s  (first arrival → last completion)",
                  f"{'input tok/s':<{w}}{rate(self.input_tok_s)}  ({self.input_tokens} tokens)",
                  f"{'output tok/s':<{w}}{rate(self.output_tok_s)}  ({self.output_tokens} tokens)",
@@ -454,7 +469,8 @@ def summarize(metrics: Sequence[RequestMetrics], slo: SLO | None = None,
     if slo is not None and not isinstance(slo, SLO):
         raise TypeError(f"slo must be an SLO, got {type(slo).__name__}")
     side = _side_of(metrics)
-    ok = [m for m in metrics if m.ok]
+    aborted = [m for m in metrics if m.ok and m.finish_reason == "abort"]
+    ok = [m for m in metrics if m.ok and m.finish_reason != "abort"]    # completed requests only
     first = min((m.t_start_ns for m in metrics), default=0)
     last = max((m.t_end_ns for m in metrics), default=0)
     duration = _s(last - first)
@@ -462,7 +478,8 @@ def summarize(metrics: Sequence[RequestMetrics], slo: SLO | None = None,
 
     with_bd = [m for m in ok if m.breakdown]
     s = Summary(
-        side=side, n_ok=len(ok), n_failed=len(metrics) - len(ok), duration_s=duration,
+        side=side, n_ok=len(ok), n_failed=len(metrics) - len(ok) - len(aborted), n_aborted=len(aborted),
+        duration_s=duration,
         input_tokens=n_in, output_tokens=n_out,
         input_tok_s=_rate(n_in, duration), output_tok_s=_rate(n_out, duration),
         requests_s=_rate(len(ok), duration),

@@ -5,6 +5,12 @@ warm up, then time N decode steps twice:
 - ``forward``: the model's forward pass alone (the part the roofline describes);
 - ``engine``: the whole ``LLMEngine.step()`` — scheduling, sampling, detokenizing, traces
   (the difference is chapter 10.5's "time outside the accelerator").
+Both use the *ideal* layout: equal lengths, contiguous slots, so attention reads a view of the
+cache and moves exactly W + B·L·k bytes (the roofline's formula). Then a third time:
+- ``served``: ``LLMEngine.step()`` with lengths drawn uniformly in [L/2, 3L/2] and scattered
+  slots, as a served batch looks. Rows of different lengths are read through one gather of
+  B·max(L) positions (read, copied, read again by attention: ≈ W + 3·B·max(L)·k), where Σ L
+  would be the minimum. The gap per batch is what serving pays for that layout.
 Step times are synchronised device times (we wait for the device before reading the clock).
 """
 from __future__ import annotations
@@ -90,6 +96,13 @@ class BatchResult:
     mfu: float | None = None                  # achieved_flops / measured matmul peak
     bound_tok_s: float | None = None          # aggregate bound at this batch (measured ceilings)
     pct_of_bound: float | None = None
+    # "served": engine.step() with lengths drawn around the context and scattered slots
+    served_ms: list[float] = field(default_factory=list)
+    served_ms_median: float | None = None
+    served_max_context: int | None = None
+    served_aggregate_tok_s: float | None = None
+    served_bytes_per_step: int | None = None  # W + 3·B·max(L)·k: gather read + copy write + attention read
+    served_gap: float | None = None           # served step time / ideal engine step time
 
 
 @dataclass
@@ -125,7 +138,8 @@ class SweepResult:
         stem = stem or f"roofline-{self.model}-{self.dtype}-{self.device.split(':')[0]}"
         jp, cp = out / f"{stem}.json", out / f"{stem}.csv"
         jp.write_text(dumps_strict(self.to_dict()))
-        cols = ["batch", "status", "context", "forward_ms_median", "engine_ms_median", "per_request_tok_s",
+        cols = ["batch", "status", "context", "forward_ms_median", "engine_ms_median", "served_ms_median",
+                "served_max_context", "served_gap", "per_request_tok_s",
                 "aggregate_tok_s", "engine_aggregate_tok_s", "achieved_bw", "mbu", "mfu", "bound_tok_s", "pct_of_bound"]
         lines = [",".join(cols)] + [",".join("" if getattr(b, c) is None else str(getattr(b, c)) for c in cols)
                                     for b in self.batches]
@@ -133,7 +147,8 @@ class SweepResult:
         return jp, cp
 
     def table(self) -> str:
-        hdr = f"{'batch':>5} {'step ms':>9} {'engine ms':>10} {'tok/s/req':>10} {'tok/s agg':>10} {'% bound':>8} {'MBU':>6} {'MFU':>6}"
+        hdr = (f"{'batch':>5} {'step ms':>9} {'engine ms':>10} {'served ms':>10} {'tok/s/req':>10} {'tok/s agg':>10} "
+               f"{'% bound':>8} {'MBU':>6} {'MFU':>6}")
         rows, noisy = [hdr], []
         for b in self.batches:
             if b.status != "ok":
@@ -143,7 +158,8 @@ class SweepResult:
             flag = " *" if b.forward_ms_p10 and b.forward_ms_p90 / b.forward_ms_p10 > NOISY_SPREAD else ""
             if flag:
                 noisy.append(b.batch)
-            rows.append(f"{b.batch:>5} {b.forward_ms_median:>9.2f} {b.engine_ms_median:>10.2f} "
+            served = f"{b.served_ms_median:>10.2f}" if b.served_ms_median else f"{'-':>10}"
+            rows.append(f"{b.batch:>5} {b.forward_ms_median:>9.2f} {b.engine_ms_median:>10.2f} {served} "
                         f"{b.per_request_tok_s:>10.1f} {b.aggregate_tok_s:>10.1f} {100 * b.pct_of_bound:>7.0f}% "
                         f"{100 * b.mbu:>5.0f}% {100 * b.mfu:>5.1f}%{flag}")
         if noisy:
@@ -195,20 +211,24 @@ def _time_steps(fn: Callable[[], object], device: torch.device, warmup: int, ste
     return samples
 
 
-def fill_running_batch(engine, batch: int, context: int) -> list[Sequence]:
-    """Put ``batch`` requests in the running batch as if each had ``context`` tokens cached.
-    The KV values are whatever the cache holds (zeros): decode speed depends on shapes, not
-    values, so skipping B real prefills keeps the sweep at seconds instead of minutes."""
-    seqs = []
+def fill_running_batch(engine, batch: int, context: int | list[int], order: list[int] | None = None
+                       ) -> list[Sequence]:
+    """Put ``batch`` requests in the running batch as if each had ``context`` tokens cached
+    (one int, or one length per row). The KV values are whatever the cache holds: decode speed
+    depends on shapes, not values, so skipping B real prefills keeps the sweep at seconds
+    instead of minutes. ``order``: the rows' slots are taken in this order (scattered slots)."""
+    lens = context if isinstance(context, list) else [context] * batch
     params = SamplingParams(max_tokens=10**9, temperature=0, ignore_eos=True)
-    from minillm.engine.tokenizer import IncrementalDetokenizer
-    for i in range(batch):
+    slots = [engine.allocator.allocate(f"sweep-{batch}-{i}")[0] for i in range(batch)]
+    if order is not None:
+        slots = [slots[i] for i in order]
+    seqs = []
+    for i, (slot, L) in enumerate(zip(slots, lens)):
         rid = f"sweep-{batch}-{i}"
-        seq = Sequence(rid, None, [1] * context, params, Trace(rid))
-        seq.detok = IncrementalDetokenizer(engine.tokenizer)
-        seq.slot = engine.cache.allocate(rid)
-        seq.status = Status.RUNNING
-        seq.output_ids = [1]                      # the "last sampled" token: next step decodes it
+        engine.allocator._owner[slot] = rid
+        seq = Sequence(rid, None, [1] * L, params, Trace(rid), slot=slot, status=Status.RUNNING,
+                       output_ids=[1], num_computed=L)   # the "last sampled" token: next step decodes it
+        seq.output = engine.output.new_state([])
         engine._seqs[rid] = seq
         engine.scheduler.running.append(seq)
         seqs.append(seq)
@@ -216,25 +236,39 @@ def fill_running_batch(engine, batch: int, context: int) -> list[Sequence]:
 
 
 def _forward_fn(engine, seqs: list[Sequence], use_graphs: bool):
-    from minillm.model.transformer import build_attn_meta
-    model, dev = engine.model, engine.device
-    slots = [s.slot for s in seqs]
-    meta = build_attn_meta(slots, [s.num_cached for s in seqs], [1] * len(seqs), engine.cache.scratch_pos, dev)
-    tokens = torch.ones(len(seqs), 1, dtype=torch.long, device=dev)              # [B, 1]
+    """The model's forward alone on the ideal layout: equal lengths, contiguous slots (a view of
+    the cache, no gather, no mask). Bytes: W + B·L·k exactly."""
+    from minillm.engine.attention import build_metadata
+    from minillm.engine.cuda_graphs import GraphPool
+    model, dev, backend = engine.model, engine.device, engine.runner.backend
+    meta = build_metadata(engine.cache, [(s.slot, s.num_computed) for s in seqs], [], dev)
+    tokens = torch.ones(len(seqs), dtype=torch.long, device=dev)                 # [B]
+    positions = torch.tensor([s.num_computed for s in seqs], device=dev)        # [B]
+    index = torch.arange(len(seqs), device=dev)
+
+    def forward():
+        backend.begin(meta)
+        return model.forward_packed(tokens, positions, backend, index)          # [B, V]
     if use_graphs and dev.type == "cuda":
-        from minillm.engine.cuda_graphs import capture_decode
-        return capture_decode(model, engine.cache, tokens, meta)
-    return lambda: model(tokens, engine.cache, meta)
+        return GraphPool().capture((len(seqs), meta.decode_len), forward)
+    return forward
+
+
+def served_lengths(batch: int, context: int, seed: int = 0) -> list[int]:
+    """The "served" path's context lengths: uniform in [L/2, 3L/2] (mean ≈ L), as a served batch
+    holds requests at different points of their lives."""
+    g = torch.Generator().manual_seed(seed + batch)
+    return torch.randint(max(1, context // 2), context + context // 2 + 1, (batch,), generator=g).tolist()
 
 
 @torch.inference_mode()
-def measure_batch(engine, batch: int, context: int, warmup: int, steps: int, use_graphs: bool) -> BatchResult:
-    need = context + warmup + 2 * steps + 2            # the engine steps advance the sequences
+def measure_batch(engine, batch: int, context: int, warmup: int, steps: int, use_graphs: bool,
+                  served: bool = True) -> BatchResult:
+    need = context + context // 2 + warmup + 2 * steps + 2            # the engine steps advance the sequences
     if engine.max_model_len < need:
         # the KV cache shrank to fit memory: writing past it is a device-side assert on CUDA
         raise MemoryError(f"out of memory: the KV cache for batch {batch} holds {engine.max_model_len} "
                           f"tokens per slot, the sweep needs {need}")
-    seqs = fill_running_batch(engine, batch, context)
 
     def engine_step_checked():
         outs = engine.step()
@@ -243,14 +277,29 @@ def measure_batch(engine, batch: int, context: int, warmup: int, steps: int, use
             raise RuntimeError(engine.get(failed[0].request_id).error if failed else
                                f"the running batch shrank to {len(outs)}")
 
+    def release(seqs):
+        for s in seqs:
+            engine.abort(s.request_id)
+            engine._seqs.pop(s.request_id, None)
+        engine.allocator.forget()
+
+    seqs = fill_running_batch(engine, batch, context)
     try:
         fwd = _time_steps(_forward_fn(engine, seqs, use_graphs), engine.device, warmup, steps)
         eng = _time_steps(engine_step_checked, engine.device, 1, steps)
     finally:
-        for s in seqs:
-            engine.abort(s.request_id)
-            engine._seqs.pop(s.request_id, None)
-    return BatchResult(batch, "ok", context, forward_ms=fwd, engine_ms=eng)
+        release(seqs)
+    r = BatchResult(batch, "ok", context, forward_ms=fwd, engine_ms=eng)
+    if served:
+        lens = served_lengths(batch, context)
+        order = torch.randperm(batch, generator=torch.Generator().manual_seed(batch)).tolist()
+        seqs = fill_running_batch(engine, batch, lens, order)
+        try:
+            r.served_ms = _time_steps(engine_step_checked, engine.device, warmup, steps)
+        finally:
+            release(seqs)
+        r.served_max_context = max(lens)
+    return r
 
 
 def _fill_derived(r: BatchResult, cfg, nbytes: int, bw: float, peak: float) -> None:
@@ -268,6 +317,12 @@ def _fill_derived(r: BatchResult, cfg, nbytes: int, bw: float, peak: float) -> N
     r.mbu, r.mfu = r.achieved_bw / bw, r.achieved_flops / peak
     r.bound_tok_s = rf.aggregate_bound(cfg, nbytes, r.batch, r.context, bw, peak)
     r.pct_of_bound = r.aggregate_tok_s / r.bound_tok_s
+    if r.served_ms:
+        r.served_ms_median = statistics.median(r.served_ms)
+        r.served_aggregate_tok_s = r.batch / (r.served_ms_median / 1e3)
+        kv = cfg.kv_bytes_per_token(nbytes)
+        r.served_bytes_per_step = rf.weight_bytes_per_step(cfg, nbytes, r.batch) + 3 * r.batch * r.served_max_context * kv
+        r.served_gap = r.served_ms_median / r.engine_ms_median
 
 
 def _is_oom(e: BaseException) -> bool:
@@ -278,7 +333,7 @@ def run_sweep(model: str | None = None, device: str | None = None, dtype: str | 
               batches: list[int] | None = None, context: int | None = None, warmup: int = 3, steps: int = 10,
               cuda_graphs: bool = True, measure_ceilings: bool = True, progress: bool = True,
               command: str | None = None, copy_bytes: int | None = None, matmul_n: int | None = None,
-              seed: int = 0, partial_path: str | Path | None = None) -> SweepResult:
+              seed: int = 0, partial_path: str | Path | None = None, served: bool = True) -> SweepResult:
     """Sweep decode batches (see the module docstring). ``partial_path``: append each batch's result there as one JSON line as soon as it is
     measured, so a sweep killed by a time limit keeps what it measured."""
     from minillm.engine.engine import LLMEngine
@@ -323,9 +378,9 @@ def run_sweep(model: str | None = None, device: str | None = None, dtype: str | 
     for b in it:
         engine = None
         try:
-            engine = LLMEngine(m, tok, max_batch_size=b, max_model_len=context + warmup + 3 * steps + 8,
-                               kv_memory_fraction=0.9)
-            r = measure_batch(engine, b, context, warmup, steps, cuda_graphs)
+            engine = LLMEngine(m, tok, max_batch_size=b, kv_memory_fraction=0.9, enforce_eager=not cuda_graphs,
+                               max_model_len=context + context // 2 + warmup + 3 * steps + 8)
+            r = measure_batch(engine, b, context, warmup, steps, cuda_graphs, served)
             _fill_derived(r, cfg, nbytes, bw, peak)
         except Exception as e:      # one batch failing must not end the sweep
             if not _is_oom(e):

@@ -19,7 +19,7 @@ EVENTS = (
     "received", "authenticated", "admitted", "rejected",   # gateway
     "tokenized",                                           # tokenizer
     "enqueued", "scheduled", "preempted",                  # scheduling queue
-    "prefill_start", "prefill_end", "first_token",         # prefill
+    "prefill_start", "prefill_chunk", "prefill_end", "first_token",   # prefill (chunk by chunk)
     "token",                                               # decode loop, one per output token
     "detokenized",                                         # incremental detokenizer, one per text delta
     "sent", "finished",                                    # streaming return

@@ -383,8 +383,10 @@ def stall_scenario(llm, n_short: int = 4, short_prompt_len: int = 16, short_outp
     ``arrive_after_tokens`` tokens, one request with a ``long_prompt_len``-token prompt arrives.
 
     The arrival is triggered by progress, not by a clock value, so on any machine it lands
-    mid-decode (everything is still real time). The prefill-first scheduler then runs the long
-    prefill as one step, and every short request waits for it: one long gap each.
+    mid-decode (everything is still real time). The prefill-first policy then runs the long
+    prefill as one step, and every short request waits for it: one long gap each. The chunked
+    policy (the default) splits it into budget-sized chunks that share steps with the decodes:
+    several shorter gaps (10.4's fix).
     """
     engine = llm.engine
     if engine.has_unfinished():
@@ -392,7 +394,7 @@ def stall_scenario(llm, n_short: int = 4, short_prompt_len: int = 16, short_outp
     if not 1 <= arrive_after_tokens < short_output:
         raise ValueError("arrive_after_tokens must be ≥ 1 and < short_output, so the short requests "
                          "are still decoding when the long prompt arrives")
-    if n_short + 1 > engine.scheduler.max_batch_size or n_short + 1 > engine.cache.num_free:
+    if n_short + 1 > engine.scheduler.max_batch_size or n_short + 1 > engine.allocator.num_free:
         raise ValueError(f"{n_short} short requests + 1 long need {n_short + 1} batch slots")
     if long_prompt_len + long_output > engine.max_model_len:
         raise ValueError(f"long prompt ({long_prompt_len}) + output ({long_output}) exceed the engine's "
@@ -419,5 +421,6 @@ def stall_scenario(llm, n_short: int = 4, short_prompt_len: int = 16, short_outp
                 done[out.request_id] = engine.output_of(engine.pop_finished(out.request_id))
     info = {"n_short": n_short, "short_prompt_len": short_prompt_len, "short_output": short_output,
             "long_prompt_len": long_prompt_len, "long_output": long_output,
-            "arrive_after_tokens": arrive_after_tokens}
+            "arrive_after_tokens": arrive_after_tokens, "policy": engine.scheduler.policy,
+            "max_num_batched_tokens": engine.scheduler.max_num_batched_tokens}
     return StallResult([done[r] for r in short_ids] + [done[long_id]], short_ids, long_id, info)

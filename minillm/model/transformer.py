@@ -5,23 +5,21 @@ LM head. Module names match Hugging Face's so a checkpoint's ``state_dict`` load
 
 Two ways to call it:
 - ``model(tokens)`` with no cache: full causal attention, returns ``[B, T, vocab]`` logits;
-- ``model(tokens, cache=kv, meta=AttnMeta(...))``: prefill or decode against the slot cache
-  (``minillm.engine.kv_cache``); ``meta`` says where each row's tokens go and how much to read.
+- ``model.forward_packed(tokens, positions, attn, logits_index)``: one engine step, every
+  request's new tokens packed into ``[N]`` (prefill chunks and decode tokens alike). Only
+  attention needs to know which token belongs to which request; it goes through ``attn``, the
+  engine's attention backend (``minillm.engine.attention``), which owns the KV cache.
+  The model itself depends on nothing in the engine.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from minillm.model.config import ModelConfig
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:   # the model only calls cache.write/read; it does not depend on the engine
-    from minillm.engine.kv_cache import KVCache
 
 
 # ---------------------------------------------------------------------------- RoPE
@@ -49,9 +47,9 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    # positions: [B, T] → cos, sin: [B, T, head_dim] (computed in fp32, like HF, then cast)
-    freqs = positions.float()[..., None] * inv_freq                    # [B, T, d/2]
-    emb = torch.cat((freqs, freqs), dim=-1)                            # [B, T, d]
+    # positions: [...] ([B, T] or packed [N]) → cos, sin: [..., head_dim] (fp32, like HF, then cast)
+    freqs = positions.float()[..., None] * inv_freq                    # [..., d/2]
+    emb = torch.cat((freqs, freqs), dim=-1)                            # [..., d]
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -61,8 +59,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [B, T, H, D]; cos/sin: [B, T, D] → broadcast over heads
-    return x * cos[:, :, None] + rotate_half(x) * sin[:, :, None]
+    # x: [..., H, D]; cos/sin: [..., D] → broadcast over heads
+    return x * cos[..., None, :] + rotate_half(x) * sin[..., None, :]
 
 
 # ---------------------------------------------------------------------------- layers
@@ -79,47 +77,6 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-@dataclass
-class AttnMeta:
-    """Where this step's tokens live in the cache. Built once per step on the host, shared by
-    every layer. B rows (requests), T tokens per row (T=1 in decode; padded in prefill)."""
-    slots_bt: torch.Tensor      # [B, T] slot of each token (row's slot, repeated)
-    write_pos: torch.Tensor     # [B, T] cache position to write; padded tokens → scratch row
-    positions: torch.Tensor     # [B, T] RoPE position of each token
-    mask: torch.Tensor | None   # [B, 1, T, kv_len] bool, True = may attend; None = attend to all
-    slots: torch.Tensor         # [B]
-    kv_len: int                 # read cache positions [0, kv_len)
-    slot_range: tuple[int, int] | None = None   # set when slots are a contiguous range
-    causal: bool = False        # a prefill from position 0: plain causal attention, no mask tensor
-
-
-def build_attn_meta(slots: list[int], start_pos: list[int], num_new: list[int], scratch_pos: int,
-                    device: torch.device) -> AttnMeta:
-    """Row b has ``start_pos[b]`` tokens cached and brings ``num_new[b]`` new ones."""
-    B, T = len(slots), max(num_new)
-    kv_len = max(s + n for s, n in zip(start_pos, num_new))
-    t = torch.arange(T)                                                 # [T]
-    positions = torch.tensor(start_pos)[:, None] + t                    # [B, T]
-    valid = t[None, :] < torch.tensor(num_new)[:, None]                 # [B, T]
-    write_pos = torch.where(valid, positions, torch.full_like(positions, scratch_pos))
-    slots_t = torch.tensor(slots)
-    mask = None
-    uniform = all(s + n == kv_len for s, n in zip(start_pos, num_new))
-    # A prefill from position 0 needs only causal attention (kv_len == T): padded queries read
-    # garbage but their logits are dropped, and real ones never see past themselves. No mask
-    # tensor lets SDPA pick a fused kernel; a mask with GQA forces the slow math path on CUDA.
-    causal = T > 1 and all(s == 0 for s in start_pos)
-    if not (T == 1 and uniform) and not causal:   # decode with equal lengths needs no mask either
-        key = torch.arange(kv_len)
-        mask = (key[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, kv_len]
-    contiguous = slots == list(range(slots[0], slots[0] + B))
-    return AttnMeta(
-        slots_bt=slots_t[:, None].expand(B, T).to(device), write_pos=write_pos.to(device),
-        positions=positions.to(device), mask=None if mask is None else mask.to(device),
-        slots=slots_t.to(device), kv_len=kv_len,
-        slot_range=(slots[0], slots[0] + B) if contiguous else None, causal=causal)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
@@ -131,24 +88,21 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: KVCache | None, meta: AttnMeta | None) -> torch.Tensor:
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)      # [B, T, H, D]
-        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)         # [B, T, KVH, D]
-        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim)         # [B, T, KVH, D]
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn=None) -> torch.Tensor:
+        # x: [B, T, hidden] (no cache) or [N, hidden] (packed: the step's tokens, all requests)
+        lead = x.shape[:-1]
+        q = self.q_proj(x).view(*lead, self.n_heads, self.head_dim)     # [..., H, D]
+        k = self.k_proj(x).view(*lead, self.n_kv, self.head_dim)        # [..., KVH, D]
+        v = self.v_proj(x).view(*lead, self.n_kv, self.head_dim)        # [..., KVH, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        q = q.transpose(1, 2)                                           # [B, H, T, D]
-        if cache is None:   # no cache: the whole sequence is here, plain causal attention
-            y = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2),
-                                               is_causal=T > 1, enable_gqa=True)
-        else:
-            cache.write(self.layer_idx, meta.slots_bt, meta.write_pos, k, v)
-            kc, vc = cache.read(self.layer_idx, meta.slots, meta.kv_len, meta.slot_range)  # [B, KVH, L, D]
-            y = F.scaled_dot_product_attention(q, kc, vc, attn_mask=meta.mask, is_causal=meta.causal,
-                                               enable_gqa=True)
-        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # [B, T, H*D]
-        return self.o_proj(y)                                           # [B, T, hidden]
+        if attn is None:    # no cache: the whole sequence is here, plain causal attention
+            T = x.shape[1]
+            y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               is_causal=T > 1, enable_gqa=True)  # [B, H, T, D]
+            y = y.transpose(1, 2).reshape(*lead, self.n_heads * self.head_dim)  # [B, T, H*D]
+        else:               # the backend writes K/V to the cache and reads each row's own positions
+            y = attn.attend(self.layer_idx, q, k, v)                    # [N, H*D]
+        return self.o_proj(y)                                           # [..., hidden]
 
 
 class MLP(nn.Module):
@@ -171,8 +125,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)
+    def forward(self, x, cos, sin, attn=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -207,21 +161,29 @@ class Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, meta: AttnMeta | None = None,
-                last_index: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens: [B, T]. Returns [B, T, vocab] logits, or [B, vocab] when ``last_index`` ([B],
-        the index of each row's last real token) is given: prefill only needs the next token's
-        logits, so the LM head (often the largest single matmul) runs on B rows instead of B·T."""
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The reference path, no cache: tokens [B, T] → logits [B, T, vocab] (full causal
+        attention). Tests compare it with `transformers`; the engine uses ``forward_packed``."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [B, T], got shape {tuple(tokens.shape)}")
         B, T = tokens.shape
-        if cache is not None and meta is None:
-            raise ValueError("a cache needs AttnMeta (where to write and what to read)")
-        positions = meta.positions if meta is not None else torch.arange(T, device=tokens.device).expand(B, T)
+        positions = torch.arange(T, device=tokens.device).expand(B, T)  # [B, T]
         x = self.model.embed_tokens(tokens)                              # [B, T, hidden]
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)       # [B, T, D]
         for layer in self.model.layers:
-            x = layer(x, cos, sin, cache, meta)                          # [B, T, hidden]
-        if last_index is not None:
-            x = x[torch.arange(B, device=x.device), last_index]          # [B, hidden]
-        return self.lm_head(self.model.norm(x))                          # [B, (T,) vocab]
+            x = layer(x, cos, sin)                                       # [B, T, hidden]
+        return self.lm_head(self.model.norm(x))                          # [B, T, vocab]
+
+    def forward_packed(self, tokens: torch.Tensor, positions: torch.Tensor, attn,
+                       logits_index: torch.Tensor) -> torch.Tensor:
+        """One engine step. tokens, positions: [N], every request's new tokens packed (no
+        padding); ``attn``: the attention backend, which knows each token's request. Returns
+        [R, vocab] logits for the packed indices ``logits_index`` only: a prefill chunk needs
+        the next token's logits at most once, so the LM head (often the largest single matmul)
+        runs on R rows instead of N."""
+        x = self.model.embed_tokens(tokens)                              # [N, hidden]
+        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)       # [N, D]
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, attn)                                 # [N, hidden]
+        x = x[logits_index]                                              # [R, hidden]
+        return self.lm_head(self.model.norm(x))                          # [R, vocab]

@@ -12,7 +12,9 @@ Every rejection is a :class:`GatewayError` carrying the HTTP status, an OpenAI-s
 a message that names the limit that was hit, so a client can tell "fix your request" (4xx) from
 "come back later" (429/503 with ``Retry-After``).
 
-This module is pure logic: no HTTP framework, no engine import, no dependencies. The server
+This module is pure logic: no HTTP framework, no dependencies. Its one engine import (lazy) is
+``SamplingParams``'s validation: sampling values are validated in that one place, so the gateway
+and the engine cannot disagree on what is valid. The server
 (``minillm.serving.server``) turns HTTP into calls to :meth:`Gateway.admit` and errors into JSON.
 State shared between request threads (rate-limit buckets, queue depth) is guarded by locks,
 and every time-dependent part takes an injectable ``clock`` so tests can move time by hand.
@@ -347,7 +349,6 @@ class RateLimiter:
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP = 4                                         # OpenAI's limit on stop sequences
-_SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)              # what torch.Generator.manual_seed accepts
 
 Message = dict[str, str]
 
@@ -373,6 +374,7 @@ class CompletionRequest:
     stream: bool = False
     include_usage: bool = False       # stream_options.include_usage: a final chunk with token counts
     ignore_eos: bool = False          # benchmarks: generate exactly max_tokens (chapter 10.6)
+    include_stop_str_in_output: bool = False   # vLLM's: keep the matched stop string in the text
     n: int = 1
     user: str | None = None
 
@@ -394,15 +396,6 @@ def _get_int(body: dict, name: str, *, minimum: int | None = None) -> int | None
     if minimum is not None and v < minimum:
         raise _invalid(name, f"'{name}' must be at least {minimum}, got {v}.")
     return v
-
-
-def _get_number(body: dict, name: str, default: float) -> float:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not _is_number(v):
-        raise _invalid(name, f"'{name}' must be a number, got {type(v).__name__} {v!r}.")
-    return float(v)
 
 
 def _get_bool(body: dict, name: str) -> bool:
@@ -483,9 +476,7 @@ def _parse_stop(body: dict) -> list[str]:
         raise _invalid("stop", f"'stop' must be a string or a list of strings, got {type(stop).__name__}.")
     if len(stop) > MAX_STOP:
         raise _invalid("stop", f"'stop' may hold at most {MAX_STOP} sequences, got {len(stop)}.")
-    if not all(isinstance(s, str) and s for s in stop):
-        raise _invalid("stop", "'stop' sequences must be non-empty strings.")
-    return list(stop)
+    return list(stop)             # its strings are checked with the other sampling fields
 
 
 def parse_completion_body(body: Any, *, chat: bool) -> CompletionRequest:
@@ -493,7 +484,8 @@ def parse_completion_body(body: Any, *, chat: bool) -> CompletionRequest:
 
     Unknown fields are ignored (clients send many optional OpenAI fields), but every field
     minillm does use is checked here, at the door, so the engine never sees a bad value and a
-    client gets a 400 naming its mistake instead of a 500 from deep inside sampling.
+    client gets a 400 naming its mistake instead of a 500 from deep inside sampling. Sampling
+    fields are checked by ``SamplingParams``'s own rules (see :func:`_parse_sampling`).
     """
     if not isinstance(body, dict):
         raise _invalid(None, f"The request body must be a JSON object, got {type(body).__name__}.")
@@ -504,26 +496,7 @@ def parse_completion_body(body: Any, *, chat: bool) -> CompletionRequest:
     if model == "":
         raise _invalid("model", "'model' must be a non-empty string (or omitted).")
 
-    max_tokens = _get_int(body, "max_tokens", minimum=1)
-    if chat:
-        # The chat API renamed max_tokens to max_completion_tokens; the new name wins (as in vLLM).
-        max_tokens = _get_int(body, "max_completion_tokens", minimum=1) or max_tokens
-
-    temperature = _get_number(body, "temperature", 1.0)
-    if not 0.0 <= temperature <= 2.0:                       # also rejects NaN and inf
-        raise _invalid("temperature", f"'temperature' must be between 0 and 2 (0 = greedy), got {temperature}.")
-    top_p = _get_number(body, "top_p", 1.0)
-    if not 0.0 < top_p <= 1.0:
-        raise _invalid("top_p", f"'top_p' must be in (0, 1], got {top_p}.")
-    top_k = _get_int(body, "top_k")
-    if top_k is None:
-        top_k = -1
-    elif top_k < -1 or top_k == 0:
-        raise _invalid("top_k", f"'top_k' must be -1 (or null) to disable, or at least 1; got {top_k}.")
-
-    seed = _get_int(body, "seed")
-    if seed is not None and not _SEED_RANGE[0] <= seed <= _SEED_RANGE[1]:
-        raise _invalid("seed", f"'seed' must fit in 64 bits, got {seed}.")
+    sampling = _parse_sampling(body, chat)
 
     n = _get_int(body, "n")
     if n is not None and n != 1:
@@ -539,11 +512,50 @@ def parse_completion_body(body: Any, *, chat: bool) -> CompletionRequest:
             raise _invalid("stream_options", "'stream_options' must be an object.")
         include_usage = _get_bool(opts, "include_usage")
 
-    return CompletionRequest(
-        prompt=prompt, chat=chat, model=model, max_tokens=max_tokens, temperature=temperature,
-        top_p=top_p, top_k=top_k, seed=seed, stop=_parse_stop(body), stream=stream,
-        include_usage=include_usage, ignore_eos=_get_bool(body, "ignore_eos"), n=1,
-        user=_get_str(body, "user"))
+    return CompletionRequest(prompt=prompt, chat=chat, model=model, stream=stream, include_usage=include_usage,
+                             n=1, user=_get_str(body, "user"), **sampling)
+
+
+# Body fields that are SamplingParams fields of the same name and meaning (vLLM's extensions
+# top_k, ignore_eos and include_stop_str_in_output included). ``stop`` and ``max_tokens`` are
+# sampling fields too, with rules of the API's own first (a list of at most 4; an alias).
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "ignore_eos", "include_stop_str_in_output")
+
+
+def _parse_sampling(body: dict, chat: bool) -> dict[str, Any]:
+    """The sampling fields of a body, validated by ``SamplingParams``'s one validation function
+    (``minillm.engine.sampling.sampling_problems``), so that the gateway and the engine can never
+    disagree on what is valid. A missing or null field takes SamplingParams's default, except
+    ``max_tokens``, which stays None (the gateway picks a default that fits the context)."""
+    max_tokens = None
+    # The chat API renamed max_tokens to max_completion_tokens; the new name wins (as in vLLM).
+    for key in ("max_tokens", "max_completion_tokens") if chat else ("max_tokens",):
+        if body.get(key) is not None:
+            _check_sampling_field(key, "max_tokens", body[key])
+            max_tokens = body[key]
+    given = {name: body[name] for name in _SAMPLING_FIELDS if body.get(name) is not None}
+    for name, value in given.items():
+        _check_sampling_field(name, name, value)
+    stop = _parse_stop(body)
+    _check_sampling_field("stop", "stop", stop)
+    for name in ("temperature", "top_p"):
+        if name in given:
+            given[name] = float(given[name])          # JSON's 1 is the float 1.0 here
+    return {**given, "stop": stop, "max_tokens": max_tokens}
+
+
+def _check_sampling_field(key: str, name: str, value: Any) -> None:
+    """400 naming body field ``key`` if SamplingParams rejects ``value`` for its field ``name``.
+
+    One field at a time, on top of the defaults (all valid), so each problem belongs to the
+    field that was set; the message is SamplingParams's own."""
+    from minillm.engine.sampling import SamplingParams, sampling_problems   # lazy: it imports torch
+    probe = SamplingParams()              # the defaults, all valid...
+    setattr(probe, name, value)           # ...with one field set, unchecked: the check is next
+    problems = sampling_problems(probe)
+    if problems:
+        message = problems[0] if key == name else problems[0].replace(name, key, 1)
+        raise _invalid(key, f"Invalid '{key}': {message}.")
 
 
 def check_model(name: str | None, served: list[str]) -> str:
@@ -654,7 +666,8 @@ class AdmittedRequest:
         """Keyword arguments for ``minillm.SamplingParams`` (kept as a dict: no engine import)."""
         r = self.request
         return dict(max_tokens=self.max_tokens, temperature=r.temperature, top_p=r.top_p,
-                    top_k=r.top_k, seed=r.seed, stop=list(r.stop), ignore_eos=r.ignore_eos)
+                    top_k=r.top_k, seed=r.seed, stop=list(r.stop), ignore_eos=r.ignore_eos,
+                    include_stop_str_in_output=r.include_stop_str_in_output)
 
 
 class Gateway:

@@ -30,6 +30,8 @@ chunk (or the JSON body) has been handed to the socket; and a last ``finished`` 
 little earlier, when it lets the request go and frees the KV slot; ``request_metrics`` uses the
 last one.) The traces of the last ``trace_history`` requests stay reachable at ``GET /v1/traces``
 and through :meth:`ServingState.traces`, so a notebook can walk one request stage by stage.
+The engine's side of the same story, one record per step (its phases' timestamps, its prefill
+and decode tokens), is at ``GET /v1/steps`` and :meth:`ServingState.steps`.
 
 A client that disconnects aborts its request, and its KV slot is free by the next step: a
 thousand abandoned browser tabs cannot hold the batch hostage.
@@ -46,18 +48,22 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, AsyncIterator, Callable
 
 from starlette.requests import Request   # module level: FastAPI resolves string annotations here
 
-from minillm.serving.gateway import (APIKeyAuth, AdmissionControl, AdmittedRequest, CompletionRequest, Gateway,
-                      GatewayError, RateLimiter, keys_from_env_and_args)
+from minillm.engine.config import EngineConfig
+from minillm.engine.step_record import PHASES
 from minillm.measure.trace import Trace
+from minillm.serving.gateway import (APIKeyAuth, AdmissionControl, AdmittedRequest, CompletionRequest, Gateway,
+                                     GatewayError, RateLimiter, keys_from_env_and_args)
 
 log = logging.getLogger("minillm.serving.server")
 
 MAX_BODY_BYTES = 1 << 20       # 1 MiB: far more than any prompt our contexts can hold
+MAX_STEPS_LIMIT = 10_000       # StepRecords one GET /v1/steps returns at most (a larger limit is capped)
+_STEP_COPY_TRIES = 5           # lock-free copies of the step history before taking the engine's lock
 _DRAIN_FACTOR = 8              # read on (and drop) up to 8× the limit, so the client reads our 413
 
 
@@ -66,13 +72,8 @@ _DRAIN_FACTOR = 8              # read on (and drop) up to 8× the limit, so the 
 # ---------------------------------------------------------------------------------------------
 
 @dataclass
-class ServerConfig:
-    """Everything ``python -m minillm serve`` can be told. ``port=0`` binds a free port."""
-    model: str = "tiny"
-    tokenizer: str | None = None
-    device: str | None = None
-    dtype: str | None = None
-    seed: int = 0
+class _ServerOptions:
+    """The HTTP side's own options (the engine's are in :class:`EngineConfig`, defined once)."""
     host: str = "127.0.0.1"            # loopback: exposing a server is a decision, not a default
     port: int = 8000
     api_keys: list[str] = field(default_factory=list)
@@ -80,8 +81,6 @@ class ServerConfig:
     tokens_per_min: float | None = None
     burst: float | None = None
     max_queue_depth: int = 256         # requests inside the server (waiting + running), else 503
-    max_batch_size: int = 64
-    max_model_len: int | None = None
     max_tokens_cap: int = 256          # max_tokens of a request that does not say
     max_body_bytes: int = MAX_BODY_BYTES
     trace_history: int = 10_000        # traces kept for /v1/traces (a bounded deque)
@@ -94,8 +93,6 @@ class ServerConfig:
     torch_threads: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be ≥ 1, got {self.max_batch_size}")
         if self.max_queue_depth < 1:
             raise ValueError(f"max_queue_depth must be ≥ 1, got {self.max_queue_depth}")
         if self.max_body_bytes < 1024:
@@ -106,18 +103,53 @@ class ServerConfig:
             raise ValueError(f"port must be in 0..65535 (0: any free port), got {self.port}")
 
 
-def config_from_args(a) -> ServerConfig:
-    """``argparse`` namespace of ``python -m minillm serve`` → :class:`ServerConfig`."""
+_ENGINE_OPTIONS = frozenset(EngineConfig.names())
+
+
+@dataclass(init=False)
+class ServerConfig(_ServerOptions):
+    """Everything ``python -m minillm serve`` can be told. ``port=0`` binds a free port.
+
+    The engine's options live in ``engine`` (an :class:`EngineConfig`: every engine option is
+    defined once, there). For convenience they are also accepted as keywords and read as
+    attributes: ``ServerConfig(model="tiny", max_batch_size=16, port=0).max_batch_size == 16``.
+    """
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def __init__(self, engine: EngineConfig | None = None, **options: Any) -> None:
+        engine_options = {k: options.pop(k) for k in list(options) if k in _ENGINE_OPTIONS}
+        if engine is not None and engine_options:
+            raise TypeError("give either engine=EngineConfig(...) or engine keywords "
+                            f"({', '.join(engine_options)}), not both")
+        unknown = sorted(set(options) - {f.name for f in fields(_ServerOptions)})
+        if unknown:
+            raise TypeError(f"ServerConfig got unknown option(s): {', '.join(unknown)}")
+        super().__init__(**options)       # the server's own fields
+        self.engine = engine if engine is not None else EngineConfig(**engine_options)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called when normal lookup fails: ``config.model`` reads ``config.engine.model``.
+        engine = self.__dict__.get("engine")
+        if engine is not None and name in _ENGINE_OPTIONS:
+            return getattr(engine, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+
+def config_from_args(a, engine: EngineConfig | None = None) -> ServerConfig:
+    """``argparse`` namespace of ``python -m minillm serve`` → :class:`ServerConfig`. The engine's
+    flags are generated from :class:`EngineConfig` (``minillm.cli.engine_config_from_args``)."""
+    if engine is None:
+        from minillm.cli import engine_config_from_args
+        engine = engine_config_from_args(a)
+
     def opt(name: str, default=None):
         return getattr(a, name, default)
-    return ServerConfig(model=a.model, tokenizer=opt("tokenizer"), device=a.device, dtype=a.dtype,
-                        host=opt("host", "127.0.0.1"), port=opt("port", 8000),
+    return ServerConfig(engine=engine, host=opt("host", "127.0.0.1"), port=opt("port", 8000),
                         api_keys=keys_from_env_and_args(opt("api_key")),
                         requests_per_s=opt("requests_per_s"), tokens_per_min=opt("tokens_per_min"),
                         burst=opt("burst"), max_queue_depth=opt("max_queue_depth", 256),
-                        max_batch_size=opt("max_batch_size", 64), max_model_len=opt("max_model_len"),
                         log_level=opt("log_level", "info"),
-                        torch_threads=opt("torch_threads") or default_server_threads(a.device))
+                        torch_threads=opt("torch_threads") or default_server_threads(engine.device))
 
 
 def default_server_threads(device: str | None) -> int | None:
@@ -225,7 +257,7 @@ class EngineLoop:
     def stats(self) -> dict[str, int]:
         """A snapshot for tests and notebooks (read without the engine's lock: approximate)."""
         e = self.engine
-        return {"running": e.num_running, "waiting": e.num_waiting, "free_slots": e.cache.num_free,
+        return {"running": e.num_running, "waiting": e.num_waiting, "free_slots": e.allocator.num_free,
                 "num_slots": e.cache.num_slots, "streams": len(self._streams), "inbox": len(self._inbox),
                 "sequences": len(e._seqs), "steps": self.steps}
 
@@ -339,18 +371,16 @@ class ServingState:
     puts HTTP in front of it."""
 
     def __init__(self, config: ServerConfig | None = None, llm=None) -> None:
-        from minillm.engine.engine import LLM
+        from minillm.engine.llm import LLM
         config = config or ServerConfig()
         self.config = config
         if config.torch_threads:
             import torch
             torch.set_num_threads(config.torch_threads)
-        self.llm = llm if llm is not None else LLM(
-            model=config.model, tokenizer=config.tokenizer, device=config.device, dtype=config.dtype,
-            seed=config.seed, max_batch_size=config.max_batch_size, max_model_len=config.max_model_len)
+        self.llm = llm if llm is not None else LLM(config=config.engine)
         self.engine = self.llm.engine
         self.tokenizer = self.llm.tokenizer
-        self.model_name = config.served_model_name or str(config.model)
+        self.model_name = config.served_model_name or str(config.engine.model)
         self.created = int(time.time())
         self.auth = APIKeyAuth(config.api_keys)
         limiter = (RateLimiter(config.requests_per_s, config.tokens_per_min, config.burst)
@@ -400,6 +430,30 @@ class ServingState:
     def clear_traces(self) -> None:
         with self._traces_lock:
             self._traces.clear()
+
+    # -- steps ---------------------------------------------------------------------------
+    def steps(self, limit: int | None = None) -> list[dict]:
+        """The engine's last ``limit`` StepRecords (all it keeps, if None) as dicts, oldest first.
+        Call it off the event loop: turning thousands of records into dicts takes a while."""
+        records = self._step_snapshot()
+        if limit is not None:
+            records = records[max(0, len(records) - limit):]    # (records[-0:] would be all of them)
+        return [r.to_dict() for r in records]
+
+    def _step_snapshot(self) -> list:
+        """A copy of the engine's step history. The engine thread appends to it while we read,
+        and copying a deque that changes underneath raises RuntimeError. A copy takes
+        microseconds, so a retry almost always succeeds; the last try holds the engine's lock
+        (step() appends under it), which waits for at most one step. A record is complete
+        when it is appended and never changes afterwards."""
+        history = self.engine.step_history
+        for _ in range(_STEP_COPY_TRIES):
+            try:
+                return list(history)
+            except RuntimeError:
+                continue
+        with self.engine._lock:
+            return list(history)
 
     # -- health --------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
@@ -477,13 +531,29 @@ async def _wait_disconnect(receive) -> None:
             return
 
 
+def _limit_param(request, cap: int | None = None) -> int | None:
+    """``?limit=N``: a non-negative integer (None when absent), at most ``cap``; else 400."""
+    limit = request.query_params.get("limit")
+    if limit is None:
+        return None
+    if not (limit.isascii() and limit.isdigit()):       # "²".isdigit() is True; int("²") fails
+        raise GatewayError(400, "invalid_request", f"'limit' must be a non-negative integer, got {limit!r}."[:300],
+                           param="limit")
+    digits = limit.lstrip("0") or "0"
+    n = int(digits) if len(digits) <= 18 else 10 ** 18   # int() refuses over 4300 digits: a 500
+    return n if cap is None else min(n, cap)
+
+
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """OpenAI's usage object. ``cached_tokens``: prompt tokens whose K/V came from the prefix
+    cache (whole 16-token blocks) instead of being computed: the hit, as a number."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 @dataclass
@@ -541,10 +611,15 @@ class _Job:
         return {"id": self.request_id, "object": obj, "created": self.created,
                 "model": self.admitted.request.model, "choices": [choice]}
 
+    def usage(self) -> dict[str, Any]:
+        # read once the engine has let the request go: nothing writes these any more
+        seq = self.seq
+        return _usage(self.admitted.prompt_tokens, len(seq.output_ids), seq.num_cached_tokens)
+
     def usage_chunk(self) -> dict[str, Any]:
         return {"id": self.request_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.created, "model": self.admitted.request.model, "choices": [],
-                "usage": _usage(self.admitted.prompt_tokens, len(self.seq.output_ids))}
+                "usage": self.usage()}
 
     def final_body(self) -> dict[str, Any]:
         seq = self.seq
@@ -557,7 +632,7 @@ class _Job:
             obj = "text_completion"
         return {"id": self.request_id, "object": obj, "created": self.created,
                 "model": self.admitted.request.model, "choices": [choice],
-                "usage": _usage(self.admitted.prompt_tokens, len(seq.output_ids))}
+                "usage": self.usage()}
 
 
 def _engine_error(job: _Job) -> GatewayError:
@@ -709,13 +784,19 @@ def create_app(config: ServerConfig | ServingState | None = None, *, llm=None):
         """Plain-JSON traces of recent requests: ``?request_id=a&request_id=b`` (or ``a,b``), ``?limit=N``."""
         state.auth.check(request.headers.get("authorization"))
         ids = [i for v in request.query_params.getlist("request_id") for i in v.split(",") if i]
-        limit = request.query_params.get("limit")
-        if limit is not None and not limit.isdigit():
-            raise GatewayError(400, "invalid_request", f"'limit' must be a non-negative integer, got {limit!r}.",
-                               param="limit")
-        found = state.traces(ids or None, int(limit) if limit is not None else None)
+        found = state.traces(ids or None, _limit_param(request))
         return {"object": "list",
                 "data": [{"request_id": t.request_id, "events": [e.as_dict() for e in t.events]} for t in found]}
+
+    @app.get("/v1/steps")
+    async def steps(request: Request):
+        """The engine's recent steps (StepRecords, oldest first): ``?limit=N`` (at most
+        MAX_STEPS_LIMIT). Each has its phases' end timestamps and its prefill/decode tokens."""
+        state.auth.check(request.headers.get("authorization"))
+        limit = _limit_param(request, cap=MAX_STEPS_LIMIT)
+        # Off the event loop: thousands of records to turn into dicts would stall every stream.
+        records = await asyncio.to_thread(state.steps, MAX_STEPS_LIMIT if limit is None else limit)
+        return {"object": "list", "phases": list(PHASES), "data": records}
 
     async def handle(request: Request, chat: bool):
         from minillm.engine.engine import RequestError

@@ -1,0 +1,143 @@
+"""The attention backend: the one seam between the model and the KV cache (mini-sglang's idea).
+
+A step's tokens are *packed*: ``[N]`` tokens, decode rows first (one token each), then prefill
+chunks. Every matmul in the model sees ``[N, hidden]`` with no padding rows. Attention is the
+only part that needs to know which token belongs to which request, and it is the only part
+that reads the cache, so it lives here, behind two calls:
+
+- ``begin(meta)`` once per forward: derive what every layer shares (the decode gather indices);
+- ``attend(layer, q, k, v)`` per layer: write this step's K/V, then attend.
+
+What each row reads (state it, the roofline counts bytes):
+- a prefill chunk of row r reads its own positions ``[0, start + n)``: a view, no copy;
+- decode rows of equal length read ``[0, L)`` each: a view when their slots are a contiguous
+  range (the "ideal" sweep), otherwise a gather copy of B·L positions;
+- decode rows of different lengths read B·max(L) positions through one gather, the zero row
+  standing in for the positions a row does not have, with a length mask. Σ L would be the
+  minimum; a paged kernel (chapter 11) reads only that, this one pays for max(L) and the copy.
+- the static (CUDA-graph) decode does the same as the last case with B and max(L) rounded up
+  to buckets and the lengths held in tensors, so one captured graph serves every step of that
+  shape.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from minillm.engine.kv_cache import KVCache
+
+
+@dataclass
+class PrefillChunk:
+    slot: int
+    start: int          # tokens of this row already in the cache
+    num_new: int        # tokens of this row in this step
+    offset: int         # where they sit in the packed [N] tokens
+
+
+@dataclass
+class AttentionMetadata:
+    write_loc: torch.Tensor                 # [N] flat cache location of every token (padding → trash row)
+    num_decode: int = 0                     # decode rows: packed tokens [0, num_decode)
+    decode_len: int = 0                     # max K/V length among decode rows (sets the read width)
+    decode_slots: torch.Tensor | tuple[int, int] | None = None   # [B] or a contiguous range (a, b)
+    decode_lens: torch.Tensor | None = None  # [B] per-row K/V length; None = all equal to decode_len
+    prefill: list[PrefillChunk] = field(default_factory=list)
+    # derived by AttentionBackend.begin (shared by every layer):
+    decode_locs: torch.Tensor | None = None   # [B, decode_len] flat locations, zero row where absent
+    decode_mask: torch.Tensor | None = None   # [B, 1, 1, decode_len] True = may attend
+
+
+def build_metadata(cache: KVCache, decode: list[tuple[int, int]], prefill: list[tuple[int, int, int]],
+                   device: torch.device) -> AttentionMetadata:
+    """``decode``: (slot, cached length) per decode row; ``prefill``: (slot, start, num_new) per
+    chunk. Row order = packed order. Host lists → one small device copy per tensor."""
+    loc: list[int] = [cache.loc(slot, L) for slot, L in decode]
+    chunks, offset = [], len(decode)
+    for slot, start, n in prefill:
+        base = cache.loc(slot, start)
+        loc.extend(range(base, base + n))
+        chunks.append(PrefillChunk(slot, start, n, offset))
+        offset += n
+    meta = AttentionMetadata(write_loc=_to(loc, device), num_decode=len(decode), prefill=chunks)
+    if decode:
+        lens = [L + 1 for _, L in decode]                 # the new token's K/V is read too
+        slots = [s for s, _ in decode]
+        meta.decode_len = max(lens)
+        if all(n == meta.decode_len for n in lens):
+            contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
+            meta.decode_slots = (slots[0], slots[0] + len(slots)) if contiguous else _to(slots, device)
+        else:
+            meta.decode_slots, meta.decode_lens = _to(slots, device), _to(lens, device)
+    return meta
+
+
+def _to(xs: list[int], device: torch.device) -> torch.Tensor:
+    t = torch.tensor(xs, dtype=torch.long)
+    if device.type == "cuda":     # pinned host memory: the copy can overlap (nano-vllm)
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+class AttentionBackend:
+    def __init__(self, cache: KVCache, num_heads: int, num_kv_heads: int, head_dim: int):
+        self.cache = cache
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.meta: AttentionMetadata | None = None
+
+    # ---- once per forward -----------------------------------------------------------
+    def begin(self, meta: AttentionMetadata) -> None:
+        """Derive the gather indices of decode rows of different lengths. Device ops only, no
+        host sync: inside a CUDA graph this is captured and replayed with the step's data."""
+        if meta.decode_lens is not None:
+            c = self.cache
+            pos = torch.arange(meta.decode_len, device=meta.decode_lens.device)          # [L]
+            valid = pos[None, :] < meta.decode_lens[:, None]                              # [B, L]
+            locs = meta.decode_slots[:, None] * c.max_len + pos[None, :]                  # [B, L]
+            meta.decode_locs = torch.where(valid, locs, torch.full_like(locs, c.zero_loc))
+            meta.decode_mask = valid[:, None, None, :]                                    # [B, 1, 1, L]
+        self.meta = meta
+
+    # ---- every layer ----------------------------------------------------------------
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: [N, H, D]; k, v: [N, KVH, D] → [N, H*D]
+        meta = self.meta
+        self.cache.write(layer, meta.write_loc, k, v)
+        parts = []
+        if meta.num_decode:
+            parts.append(self._decode(layer, q[:meta.num_decode]))
+        for c in meta.prefill:
+            parts.append(self._prefill_chunk(layer, q[c.offset:c.offset + c.num_new], c))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)                         # [N, H, D]
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+
+    def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        meta = self.meta
+        if meta.decode_lens is None:
+            kc, vc = self.cache.rows(layer, meta.decode_slots, meta.decode_len)           # [B, L, KVH, D]
+            mask = None
+        else:
+            kc, vc = self.cache.gather(layer, meta.decode_locs)                           # [B, L, KVH, D]
+            mask = meta.decode_mask
+        y = F.scaled_dot_product_attention(q[:, :, None], kc.transpose(1, 2), vc.transpose(1, 2),
+                                           attn_mask=mask, enable_gqa=True)               # [B, H, 1, D]
+        return y[:, :, 0]                                                                 # [B, H, D]
+
+    def _prefill_chunk(self, layer: int, q: torch.Tensor, c: PrefillChunk) -> torch.Tensor:
+        L = c.start + c.num_new
+        kc, vc = self.cache.row(layer, c.slot, L)                                         # [L, KVH, D] views
+        qh = q.transpose(0, 1)[None]                                                      # [1, H, n, D]
+        kh, vh = kc.transpose(0, 1)[None], vc.transpose(0, 1)[None]                       # [1, KVH, L, D]
+        if c.start == 0:
+            # From position 0, plain causal attention (query i sees keys ≤ i): no mask tensor,
+            # so SDPA can pick a fused kernel; a mask with GQA forces the slow math path on CUDA.
+            y = F.scaled_dot_product_attention(qh, kh, vh, is_causal=c.num_new > 1, enable_gqa=True)
+        else:
+            # A later chunk (or a prefix-cache hit): query i sits at position start + i and may see
+            # keys ≤ start + i. SDPA's is_causal aligns top-left, so this needs a mask.
+            i = torch.arange(c.num_new, device=q.device)[:, None]
+            j = torch.arange(L, device=q.device)[None, :]
+            y = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=j <= c.start + i, enable_gqa=True)
+        return y[0].transpose(0, 1)                                                       # [n, H, D]

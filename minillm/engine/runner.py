@@ -1,0 +1,168 @@
+"""The model runner: the only place that turns a scheduled batch into tensors (design.md §8).
+
+    rows [(seq, num_new)] ─► packed tokens [N], positions [N], attention metadata
+        ─► forward (eager, or a CUDA-graph replay for decode) ─► logits of rows that finish
+        their known tokens ─► batched sampling ─► one host read of the chosen ids
+
+Packing: rows with one new token (decodes) go first, then prefill chunks. A row samples only
+when this step computes its last known token; a prompt's earlier chunks sample nothing.
+
+Decode in static shapes: with ``static_decode`` on, a decode-only step is padded to a bucket
+of rows (1, 2, 4, 8, 16, … up to the batch size) and of K/V length (powers of two), with the
+lengths held as data and padding rows pointed at the cache's reserved slot. On CUDA each
+bucket is captured once as a CUDA graph and replayed (off with ``enforce_eager``); on a CPU the
+same static path runs eagerly, which is how the tests pin it against the dynamic one.
+"""
+from __future__ import annotations
+
+import torch
+
+from minillm.engine.attention import AttentionBackend, AttentionMetadata, build_metadata
+from minillm.engine.cuda_graphs import GraphPool
+from minillm.engine.kv_cache import KVCache
+from minillm.engine.sampling import Sampler
+from minillm.engine.scheduler import ScheduledBatch
+from minillm.engine.sequence import Sequence
+from minillm.engine.step_record import StepRecord
+from minillm.measure.hardware import synchronize
+from minillm.measure.trace import now_ns
+
+
+def buckets_up_to(n: int) -> list[int]:
+    """1, 2, 4, 8, 16, then multiples of 16 (as vLLM's capture sizes), up to n."""
+    out = [b for b in (1, 2, 4, 8) if b < n] + list(range(16, n, 16))
+    return out + [n]
+
+
+class StaticDecode:
+    """Fixed input buffers for one (rows, K/V length) bucket."""
+
+    def __init__(self, cache: KVCache, rows: int, kv_len: int, device: torch.device):
+        self.rows, self.kv_len = rows, kv_len
+        z = lambda: torch.zeros(rows, dtype=torch.long, device=device)   # noqa: E731
+        self.tokens, self.positions, self.write_loc, self.slots, self.lens = z(), z(), z(), z(), z()
+        self.logits_index = torch.arange(rows, device=device)
+        self.meta = AttentionMetadata(write_loc=self.write_loc, num_decode=rows, decode_len=kv_len,
+                                      decode_slots=self.slots, decode_lens=self.lens)
+        self.cache = cache
+
+    def prepare_for_replay(self, tokens: list[int], slots: list[int], cached: list[int]) -> None:
+        """Copy one step's values in; rows past len(tokens) are padding (reserved slot, trash row)."""
+        c, pad = self.cache, self.rows - len(tokens)
+        host = torch.tensor([
+            tokens + [0] * pad,
+            cached + [0] * pad,                                              # position = cached length
+            [c.loc(s, L) for s, L in zip(slots, cached)] + [c.trash_loc] * pad,
+            slots + [c.reserved_slot] * pad,
+            [L + 1 for L in cached] + [1] * pad,                             # read the new token too
+        ], dtype=torch.long)
+        if self.tokens.device.type == "cuda":
+            host = host.pin_memory()
+        for dst, src in zip((self.tokens, self.positions, self.write_loc, self.slots, self.lens), host):
+            dst.copy_(src, non_blocking=True)
+
+
+class ModelRunner:
+    def __init__(self, model, cache: KVCache, max_batch_size: int, *, enforce_eager: bool = False,
+                 sync_timing: bool = True, seed: int = 0):
+        cfg = model.config
+        self.model, self.cache, self.device = model, cache, model.device
+        self.backend = AttentionBackend(cache, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.sampler = Sampler(self.device, seed)
+        self.sync_timing = sync_timing
+        self.use_cuda_graphs = self.device.type == "cuda" and not enforce_eager
+        self.static_decode = self.use_cuda_graphs      # tests turn it on for the CPU
+        self.row_buckets = buckets_up_to(max_batch_size)
+        self._static: dict[tuple[int, int], StaticDecode] = {}
+        self.graphs = GraphPool()
+
+    # ------------------------------------------------------------------ one step
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch, rec: StepRecord) -> list[int | None]:
+        """Run the forward for ``batch`` and sample. Returns one token id per row of
+        ``batch.rows`` (None for a row that computed a prompt chunk and samples nothing)."""
+        rows = sorted(batch.rows, key=lambda r: r[1] > 1)         # decodes (1 token) first, stable
+        sampling = [s.num_computed + n == s.num_tokens for s, n in rows]
+        sample_seqs = [s for (s, _), yes in zip(rows, sampling) if yes]
+        rec.num_sampled = len(sample_seqs)
+        static = self._static_for(rows) if self.static_decode else None
+        if static is not None:
+            static.prepare_for_replay([s.last_token for s, _ in rows], [s.slot for s, _ in rows],
+                                      [s.num_computed for s, _ in rows])
+            rec.bucket = (static.rows, static.kv_len)
+        else:
+            tokens, positions, logits_index, meta = self._pack(rows, sampling)
+        rec.mark(now_ns())                                                          # prepared
+        events = self._device_events()
+        if static is not None:
+            logits = self._run_static(static)[: len(rows)]                           # [R, V]
+            rec.cuda_graph = self.use_cuda_graphs
+        else:
+            self.backend.begin(meta)
+            logits = self.model.forward_packed(tokens, positions, self.backend, logits_index)  # [R, V]
+        if events:
+            events[1].record()
+        rec.mark(now_ns())                                                          # forward issued
+        if self.sync_timing:
+            synchronize(self.device)              # stamp when the device finished, not when we launched
+        rec.mark(now_ns())                                                          # device done
+        ids = self.sampler(logits, [s.params for s in sample_seqs],
+                           [s.generator for s in sample_seqs]).tolist()   # the step's one host sync
+        if events:
+            rec.device_ms = events[0].elapsed_time(events[1])
+        rec.mark(now_ns())                                                          # sampled
+        it = iter(ids)
+        by_seq = {id(s): (next(it) if yes else None) for (s, _), yes in zip(rows, sampling)}
+        return [by_seq[id(s)] for s, _ in batch.rows]
+
+    def _pack(self, rows: list[tuple[Sequence, int]], sampling: list[bool]):
+        tokens, positions, logits_index = [], [], []
+        decode, prefill = [], []
+        for (s, n), yes in zip(rows, sampling):
+            start = s.num_computed
+            tokens.extend(s.token_ids(start, start + n))
+            positions.extend(range(start, start + n))
+            if yes:
+                logits_index.append(len(tokens) - 1)
+            (decode.append((s.slot, start)) if n == 1 else prefill.append((s.slot, start, n)))
+        meta = build_metadata(self.cache, decode, prefill, self.device)
+        host = torch.tensor([tokens, positions], dtype=torch.long)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        host = host.to(self.device, non_blocking=True)
+        return host[0], host[1], torch.tensor(logits_index, dtype=torch.long, device=self.device), meta
+
+    def _device_events(self):
+        if self.device.type != "cuda":
+            return None
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        return start, end
+
+    # ------------------------------------------------------------------ static decode
+    def _static_for(self, rows: list[tuple[Sequence, int]]) -> StaticDecode | None:
+        """The bucket for a decode-only step, or None when the step holds a prefill chunk.
+        A one-token chunk in the middle of a prompt is not a decode (its token is not the last
+        one and it samples nothing), so every row must be computing its last known token."""
+        if any(n != 1 or s.num_to_compute != 1 for s, n in rows):
+            return None
+        B = next(b for b in self.row_buckets if b >= len(rows))
+        need = max(s.num_computed for s, _ in rows) + 1
+        L = 16
+        while L < need:
+            L *= 2
+        L = min(L, self.cache.max_len)
+        key = (B, L)
+        if key not in self._static:
+            self._static[key] = StaticDecode(self.cache, B, L, self.device)
+        return self._static[key]
+
+    def _run_static(self, sd: StaticDecode) -> torch.Tensor:
+        def forward() -> torch.Tensor:
+            self.backend.begin(sd.meta)
+            return self.model.forward_packed(sd.tokens, sd.positions, self.backend, sd.logits_index)
+        if not self.use_cuda_graphs:
+            return forward()
+        key = (sd.rows, sd.kv_len)
+        replay = self.graphs.graphs.get(key) or self.graphs.capture(key, forward)
+        return replay()
