@@ -197,7 +197,14 @@ def test_sweep_result_is_well_formed(tiny_sweep):
         assert b.achieved_bw == pytest.approx(b.bytes_per_step / (b.forward_ms_median / 1e3))
         assert 0 < b.mbu < 1.5 and 0 < b.mfu
         assert b.pct_of_bound == pytest.approx(b.aggregate_tok_s / b.bound_tok_s)
-    assert "B*" in res.table() and "measured knee" in res.table()
+        # "served": the engine step with lengths in [L/2, 3L/2] and scattered slots
+        L = res.context
+        assert len(b.served_ms) == 2 and L // 2 <= b.served_max_context <= L + L // 2
+        assert b.served_aggregate_tok_s == pytest.approx(b.batch / (b.served_ms_median / 1e3))
+        assert b.served_bytes_per_step == (rf.weight_bytes_per_step(cfg, nb, b.batch)
+                                           + 3 * b.batch * b.served_max_context * cfg.kv_bytes_per_token(nb))
+        assert b.served_gap == pytest.approx(b.served_ms_median / b.engine_ms_median)
+    assert "B*" in res.table() and "measured knee" in res.table() and "served ms" in res.table()
 
 
 def test_sweep_writes_data_that_loads_back_and_a_figure(tiny_sweep, tmp_path):

@@ -2,10 +2,12 @@
 finish reasons. Runs on the host after every step, for every row that produced a token.
 
 - Detokenization is incremental and never emits half a UTF-8 character. With a fast
-  (Rust-backed) tokenizer it uses the ``tokenizers`` library's ``DecodeStream`` (measured at
-  about 2 µs per token against 14.6 µs for decoding a window twice); otherwise
+  (Rust-backed) tokenizer it uses the ``tokenizers`` library's ``DecodeStream``; otherwise
   ``minillm.engine.tokenizer.IncrementalDetokenizer``. Ids the tokenizer does not know (a shape
   twin has a 128k vocabulary, the default tokenizer 8192) become ``<unk:ID>``.
+  Measured on the 2-core Xeon (tokenizers 0.23.3, the shipped tokenizer, 4000 tokens of Python
+  and Chinese, median of 5): DecodeStream 0.7 µs per token, the window detokenizer 5.2 µs; the
+  same text either way.
 - Stop rules follow vLLM: EOS (unless ``ignore_eos``), ``stop_token_ids`` and ``stop`` strings
   end a request with reason "stop"; ``max_tokens`` or the context with "length". The text of
   the stop string or stop token is not in the output unless ``include_stop_str_in_output``.

@@ -55,6 +55,10 @@ def plot_roofline(result: dict, references: list[dict] | None = None, ax=None):
             label="measured aggregate tok/s")
     ax.plot([b["batch"] for b in ok], [b["per_request_tok_s"] for b in ok], "o-", color="tab:orange",
             label="measured per-request tok/s")
+    served = [b for b in ok if b.get("served_aggregate_tok_s")]
+    if served:   # the same engine step as serving runs it: mixed lengths, scattered slots (a gather)
+        ax.plot([b["batch"] for b in served], [b["served_aggregate_tok_s"] for b in served], "^:", color="tab:green",
+                ms=5, label=f"served: engine step, lengths L/2–3L/2, scattered slots (aggregate)")
     for b in result["batches"]:
         if b["status"] != "ok":
             ax.annotate(b["status"][:12], (b["batch"], flat), fontsize=7, color="tab:red", rotation=90)
