@@ -146,9 +146,3 @@ def _top_k_top_p_sorted(x: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor) -> 
     sorted_x = sorted_x.masked_fill(drop, float("-inf"))
     return torch.empty_like(x).scatter_(-1, order, sorted_x)
 
-
-def sample_next(logits: torch.Tensor, params: list[SamplingParams],
-                generators: list[torch.Generator | None], sampler: Sampler | None = None) -> list[int]:
-    """Convenience for callers outside the engine: sample and read the ids on the host."""
-    sampler = sampler or Sampler(logits.device)
-    return sampler(logits, params, generators).tolist()

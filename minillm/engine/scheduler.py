@@ -37,18 +37,6 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return sum(n for _, n in self.rows)
 
-    @property
-    def num_decode_tokens(self) -> int:
-        return sum(n for s, n in self.rows if not s.in_prefill)
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(n for s, n in self.rows if s.in_prefill)
-
-    @property
-    def is_prefill(self) -> bool:       # any prefill work in this step (10.4's stall marker)
-        return any(s.in_prefill for s, _ in self.rows)
-
 
 class Scheduler:
     def __init__(self, allocator: SlotAllocator, max_batch_size: int, max_num_batched_tokens: int,
