@@ -16,7 +16,9 @@ from minillm.engine.config import EngineConfig
 from minillm.engine.prefix_cache import BLOCK
 from minillm.engine.step_record import PHASES
 from minillm.measure.http_overhead import arun_concurrent, stream_completion
-from minillm.serving.server import _STEP_COPY_TRIES, MAX_STEPS_LIMIT, ServerConfig, ServerThread
+from minillm.serving.app import MAX_STEPS_LIMIT
+from minillm.serving.server import ServerConfig, ServerThread
+from minillm.serving.state import _STEP_COPY_TRIES
 
 KEY = "sk-test-v2-0123456789"
 MAX_LEN = 256

@@ -1,0 +1,115 @@
+"""The server's options: its own (gateway, limits, traces) and the engine's, held as one
+``EngineConfig`` so every engine option is defined once (design.md §8)."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from minillm.engine.config import EngineConfig
+from minillm.serving.gateway import keys_from_env_and_args
+
+log = logging.getLogger(__name__)
+MAX_BODY_BYTES = 1 << 20       # 1 MiB: far more than any prompt our contexts can hold
+
+# ---------------------------------------------------------------------------------------------
+# Configuration
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class _ServerOptions:
+    """The HTTP side's own options (the engine's are in :class:`EngineConfig`, defined once)."""
+    host: str = "127.0.0.1"            # loopback: exposing a server is a decision, not a default
+    port: int = 8000
+    api_keys: list[str] = field(default_factory=list)
+    requests_per_s: float | None = None
+    tokens_per_min: float | None = None
+    burst: float | None = None
+    max_queue_depth: int = 256         # requests inside the server (waiting + running), else 503
+    max_tokens_cap: int = 256          # max_tokens of a request that does not say
+    max_body_bytes: int = MAX_BODY_BYTES
+    trace_history: int = 10_000        # traces kept for /v1/traces (a bounded deque)
+    served_model_name: str | None = None
+    log_level: str = "warning"
+    graceful_timeout_s: float = 5.0    # at shutdown, how long open connections may take to close
+    # torch's intra-op threads (process-wide; None: torch's default, one per core). On a machine
+    # with few cores, leaving one core to the HTTP side keeps streaming smooth: with every core
+    # in torch, each chunk written competes with the next step (see `python -m minillm bench-http`).
+    torch_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_queue_depth < 1:
+            raise ValueError(f"max_queue_depth must be ≥ 1, got {self.max_queue_depth}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
+        if self.trace_history < 1:
+            raise ValueError(f"trace_history must be ≥ 1, got {self.trace_history}")
+        if self.port is not None and not 0 <= self.port <= 65535:   # before loading a model
+            raise ValueError(f"port must be in 0..65535 (0: any free port), got {self.port}")
+
+
+_ENGINE_OPTIONS = frozenset(EngineConfig.names())
+
+
+@dataclass(init=False)
+class ServerConfig(_ServerOptions):
+    """Everything ``python -m minillm serve`` can be told. ``port=0`` binds a free port.
+
+    The engine's options live in ``engine`` (an :class:`EngineConfig`: every engine option is
+    defined once, there). For convenience they are also accepted as keywords and read as
+    attributes: ``ServerConfig(model="tiny", max_batch_size=16, port=0).max_batch_size == 16``.
+    """
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def __init__(self, engine: EngineConfig | None = None, **options: Any) -> None:
+        engine_options = {k: options.pop(k) for k in list(options) if k in _ENGINE_OPTIONS}
+        if engine is not None and engine_options:
+            raise TypeError("give either engine=EngineConfig(...) or engine keywords "
+                            f"({', '.join(engine_options)}), not both")
+        unknown = sorted(set(options) - {f.name for f in fields(_ServerOptions)})
+        if unknown:
+            raise TypeError(f"ServerConfig got unknown option(s): {', '.join(unknown)}")
+        super().__init__(**options)       # the server's own fields
+        self.engine = engine if engine is not None else EngineConfig(**engine_options)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called when normal lookup fails: ``config.model`` reads ``config.engine.model``.
+        engine = self.__dict__.get("engine")
+        if engine is not None and name in _ENGINE_OPTIONS:
+            return getattr(engine, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+
+def config_from_args(a, engine: EngineConfig | None = None) -> ServerConfig:
+    """``argparse`` namespace of ``python -m minillm serve`` → :class:`ServerConfig`. The engine's
+    flags are generated from :class:`EngineConfig` (``minillm.cli.engine_config_from_args``)."""
+    if engine is None:
+        from minillm.cli import engine_config_from_args
+        engine = engine_config_from_args(a)
+
+    def opt(name: str, default=None):
+        return getattr(a, name, default)
+    return ServerConfig(engine=engine, host=opt("host", "127.0.0.1"), port=opt("port", 8000),
+                        api_keys=keys_from_env_and_args(opt("api_key")),
+                        requests_per_s=opt("requests_per_s"), tokens_per_min=opt("tokens_per_min"),
+                        burst=opt("burst"), max_queue_depth=opt("max_queue_depth", 256),
+                        log_level=opt("log_level", "info"),
+                        torch_threads=opt("torch_threads") or default_server_threads(engine.device))
+
+
+def default_server_threads(device: str | None) -> int | None:
+    """For ``serve`` on a CPU: one core fewer than we may use, for the HTTP side (min 1).
+
+    Why: the engine thread is not the main thread, and OpenMP regions started from another
+    thread compete badly with the main thread's idle OpenMP workers. Measured on a 2-core Xeon
+    (torch 2.13 CPU, the tiny model): a prefill took 2.0 ms from the main thread, 5.3 ms from a
+    second thread with 2 OpenMP threads, 2.2 ms from a second thread with 1. Only the CLI server
+    (a process of its own) gets this default; a ServerThread inside a notebook leaves torch alone.
+    On an accelerator the intra-op threads barely matter: None (torch's default)."""
+    from minillm.measure.hardware import cpu_cores, pick_device
+    try:
+        if pick_device(device).type != "cpu":
+            return None
+    except ValueError:
+        return None            # LLM(...) reports the bad device with its own message
+    return max(1, cpu_cores() - 1)
