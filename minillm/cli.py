@@ -196,6 +196,20 @@ def cmd_bench_engine(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_server(a: argparse.Namespace) -> int:
+    from minillm.measure.server_load import run_server_load
+    reps = [run_server_load(model=a.model, connections=a.connections, duration_s=a.duration, rounds=a.rounds,
+                            trace_store_bytes=b, port=a.port, torch_threads=a.torch_threads)
+            for b in a.trace_store_bytes]
+    for rep in reps:
+        print(rep.table())
+    if reps[0].wrk is None:
+        print("wrk is not on the PATH (Debian/Ubuntu: apt install wrk): requests/s not measured", file=sys.stderr)
+    if a.json:
+        _write_json(a.json, {"runs": [r.to_dict() for r in reps]})
+    return 0
+
+
 def cmd_doctor(a: argparse.Namespace) -> int:
     from minillm.doctor import main as doctor_main
     return doctor_main([])
@@ -259,6 +273,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tokens-per-min", type=float, default=None, help="token rate limit per key (prompt + max_tokens)")
     s.add_argument("--max-queue-depth", type=int, default=256, help="requests in flight before 503")
     s.add_argument("--burst", type=float, default=None, help="requests a key may send at once (default: one second's worth)")
+    s.add_argument("--admin-key", default=None,
+                   help="a key that reads every key's traces and the engine's steps (also MINILLM_ADMIN_KEY)")
+    s.add_argument("--trace-history", type=int, default=10_000, help="traces kept for /v1/traces, at most")
+    s.add_argument("--trace-store-bytes", type=int, default=64 << 20,
+                   help="bytes the kept traces may take (estimated), at most; the oldest go first")
+    s.add_argument("--header-timeout-s", type=float, default=10.0,
+                   help="a request's headers must arrive within this many seconds of the connection opening "
+                        "(or of a next request's first byte), else 408 and the connection is closed")
+    s.add_argument("--body-timeout-s", type=float, default=30.0,
+                   help="a request's body must arrive within this many seconds after its headers, else 408")
+    s.add_argument("--max-connections", type=int, default=1024,
+                   help="connections served at once; a request on one more gets 503 (0: no limit)")
+    s.add_argument("--keep-alive-timeout-s", type=float, default=5.0,
+                   help="close a kept-alive connection idle this long after a response")
+    s.add_argument("--max-header-bytes", type=int, default=65536, help="request headers larger than this get 431")
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     s.add_argument("--torch-threads", type=int, default=None,
                    help="torch intra-op threads (default: one per core; on few cores, leave one to HTTP)")
@@ -290,6 +319,19 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--repeats", type=int, default=3)
     e.add_argument("--json", default=None, help="also write the report as JSON here")
     e.set_defaults(fn=cmd_bench_engine)
+
+    v = sub.add_parser("bench-server", help="requests/s that `serve` sustains (wrk, max_tokens=1) and RSS per "
+                                            "1,000 requests, with the trace store's byte bound as given")
+    v.add_argument("--model", default="tiny")
+    v.add_argument("--connections", type=int, default=16)
+    v.add_argument("--duration", type=float, default=20, help="seconds of wrk load")
+    v.add_argument("--rounds", type=int, default=3, help="rounds of 1,000 requests for the RSS readings")
+    v.add_argument("--trace-store-bytes", type=int, nargs="+", default=[1 << 20, 64 << 20],
+                   help="one run per bound (default: 1 MiB, reached at once; 64 MiB, the server's default)")
+    v.add_argument("--port", type=int, default=8765)
+    v.add_argument("--torch-threads", type=int, default=None)
+    v.add_argument("--json", default=None)
+    v.set_defaults(fn=cmd_bench_server)
 
     d = sub.add_parser("doctor", help="check dependencies, the torch build and the devices")
     d.set_defaults(fn=cmd_doctor)

@@ -72,3 +72,15 @@ def test_generate_streams_and_reports_metrics():
     assert r.returncode == 0, r.stderr
     for word in ("TTFT", "TPOT", "tok/s", "bandwidth"):
         assert word in r.stderr
+
+
+def test_serve_flags_reach_the_server_config(monkeypatch):
+    from minillm.cli import build_parser
+    from minillm.serving.config import config_from_args
+    monkeypatch.setenv("MINILLM_ADMIN_KEY", "sk-admin-from-env")
+    a = build_parser().parse_args(["serve", "--model", "tiny", "--device", "cpu", "--api-key", "sk-a",
+                                   "--trace-store-bytes", "1048576", "--trace-history", "50",
+                                   "--header-timeout-s", "2.5", "--max-connections", "0"])
+    cfg = config_from_args(a)
+    assert (cfg.admin_key, cfg.trace_store_bytes, cfg.trace_history) == ("sk-admin-from-env", 1 << 20, 50)
+    assert cfg.header_timeout_s == 2.5 and cfg.max_connections is None and cfg.api_keys == ["sk-a"]

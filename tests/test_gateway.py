@@ -10,7 +10,7 @@ import pytest
 from minillm.serving import gateway as gw
 from minillm.serving.gateway import (
     AdmissionControl, APIKeyAuth, Gateway, GatewayError, RateLimiter, TokenBucket,
-    check_context, check_model, default_max_tokens, key_fingerprint, keys_from_env_and_args,
+    check_context, check_model, default_max_tokens, keys_from_env_and_args,
     parse_completion_body,
 )
 from minillm.measure.trace import Trace
@@ -30,10 +30,10 @@ class FakeClock:
         self.t += dt
 
 
-def words(req) -> int:
+def words(req) -> list[int]:
     """A stand-in tokenizer: one token per whitespace-separated word."""
     text = req.prompt if isinstance(req.prompt, str) else " ".join(m["content"] for m in req.prompt)
-    return len(text.split())
+    return [len(w) for w in text.split()]
 
 
 def make_gateway(*, keys=(KEY,), limiter=None, admission=None, max_model_len=64, **kw) -> Gateway:
@@ -66,13 +66,17 @@ def test_error_has_openai_shape():
 
 # ---- authentication ----------------------------------------------------------------------
 
-def test_auth_accepts_bearer_and_returns_fingerprint_not_key():
-    auth = APIKeyAuth([KEY, OTHER])
+def test_auth_accepts_bearer_and_returns_an_alias_not_the_key_nor_its_hash():
+    import hashlib
+    auth = APIKeyAuth([KEY, OTHER], admin_key="sk-admin-Xx-0000")
     kid = auth.check(f"Bearer {KEY}")
-    assert kid == key_fingerprint(KEY) and kid.startswith("key-") and len(kid) == 12
-    assert KEY not in kid
-    assert auth.check(f"bearer   {OTHER}  ") == key_fingerprint(OTHER)   # scheme is case-insensitive
+    assert kid == "key-1" and KEY not in kid
+    assert hashlib.sha256(KEY.encode()).hexdigest()[:8] not in repr(auth)   # no fingerprint to test guesses on
+    assert auth.check(f"bearer   {OTHER}  ") == "key-2"                    # scheme is case-insensitive
+    assert auth.check("Bearer sk-admin-Xx-0000") == "admin" and auth.has_admin
     assert not auth.open
+    with pytest.raises(ValueError, match="admin key must differ"):
+        APIKeyAuth([KEY], admin_key=KEY)
 
 
 @pytest.mark.parametrize("header, fragment", [
@@ -101,7 +105,7 @@ def test_auth_compares_every_key_in_constant_time(monkeypatch):
 
     monkeypatch.setattr(gw.hmac, "compare_digest", counting)
     auth = APIKeyAuth([KEY, OTHER, "sk-third-key"])
-    assert auth.check(f"Bearer {KEY}") == key_fingerprint(KEY)        # the first key matches...
+    assert auth.check(f"Bearer {KEY}") == "key-1"                     # the first key matches...
     assert len(calls) == 3                                            # ...and all three are compared
     assert all(a == b == 32 for a, b in calls)                        # equal-length digests, not raw keys
     calls.clear()
@@ -122,7 +126,7 @@ def test_key_never_in_repr_or_attributes():
     auth = APIKeyAuth([KEY, OTHER])
     text = repr(auth) + str(vars(auth)) + repr(make_gateway(keys=[KEY, OTHER]))
     assert KEY not in text and OTHER not in text
-    assert key_fingerprint(KEY) in repr(auth)
+    assert "key-1" in repr(auth)
 
 
 def test_keys_from_env_and_args():
@@ -398,10 +402,11 @@ def test_admit_records_events_in_order():
     g = make_gateway()
     tr = Trace("r1")
     a = g.admit(f"Bearer {KEY}", {"prompt": "one two three", "max_tokens": 4}, chat=False, trace=tr)
-    assert [e.event for e in tr] == ["received", "authenticated", "admitted"]
-    assert tr.first("authenticated").extra == {"key_id": key_fingerprint(KEY)}
+    assert [e.event for e in tr] == ["received", "authenticated", "tokenized", "admitted"]
+    assert tr.first("authenticated").extra == {"key_id": "key-1"}
     assert tr.first("admitted").extra == {"prompt_tokens": 3, "max_tokens": 4}
-    assert (a.key_id, a.prompt_tokens, a.max_tokens, a.request.model) == (key_fingerprint(KEY), 3, 4, "tiny")
+    assert (a.key_id, a.prompt_tokens, a.max_tokens, a.request.model) == ("key-1", 3, 4, "tiny")
+    assert a.prompt_ids == [3, 3, 5]                                  # the engine takes these ids as they are
     assert a.sampling_kwargs()["max_tokens"] == 4
     ts = [e.t_ns for e in tr]
     assert ts == sorted(ts)
@@ -491,3 +496,67 @@ def test_key_never_in_errors_or_traces():
     # The model name echo is the client's own field; strip it before looking for the credential.
     joined = joined.replace(f"The model '{KEY}'", "")
     assert KEY not in joined
+
+
+# ---- issue 8: what the hardening added ---------------------------------------------------
+
+def test_a_caller_over_its_rate_is_refused_before_anything_is_tokenized():
+    calls = []
+
+    def counting(req):
+        calls.append(1)
+        return words(req)
+    clock = FakeClock()
+    g = Gateway(APIKeyAuth([KEY]), RateLimiter(requests_per_s=1, burst=1, clock=clock), None, ["tiny"], 64, counting)
+    g.admit(f"Bearer {KEY}", {"prompt": "a b", "max_tokens": 2}, chat=False)
+    raises(lambda: g.admit(f"Bearer {KEY}", {"prompt": "x " * 100_000}, chat=False), 429, "rate_limited")
+    assert len(calls) == 1                                     # the second prompt was never tokenized
+
+
+def test_default_max_tokens_fits_a_small_token_quota():
+    """No max_tokens given: the default shrinks to what a minute's quota leaves, instead of
+    refusing every such request for a default of 256 the client never chose."""
+    g = make_gateway(limiter=RateLimiter(tokens_per_min=100, clock=FakeClock()), max_model_len=1000)
+    a = g.admit(f"Bearer {KEY}", {"prompt": "a b c d"}, chat=False)
+    assert a.max_tokens == 96 and a.prompt_tokens + a.max_tokens == 100
+
+
+@pytest.mark.parametrize("field, value", [
+    ("logit_bias", {"5": 3}), ("presence_penalty", 0.5), ("frequency_penalty", -1), ("echo", True),
+    ("best_of", 3), ("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
+    ("suffix", "x"), ("repetition_penalty", 1.2)])
+def test_unsupported_fields_are_refused_by_name_unless_neutral(field, value):
+    g = make_gateway()
+    raises(lambda: g.admit(f"Bearer {KEY}", {"prompt": "a", field: value}, chat=False), 400, "invalid_request",
+           param=field, match="not supported")
+    neutral = gw._UNSUPPORTED_UNLESS_NEUTRAL[field]
+    if neutral:
+        g.admit(f"Bearer {KEY}", {"prompt": "a", field: neutral[0]}, chat=False)   # the neutral value is fine
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "ok \ud800 bad"}, "prompt"),
+    ({"prompt": "ok", "stop": ["\udfff"]}, "stop[0]"),
+    ({"prompt": "ok", "user": "\ud83d"}, "user"),
+])
+def test_lone_surrogates_give_400_naming_the_field(body, param):
+    raises(lambda: make_gateway().admit(f"Bearer {KEY}", body, chat=False), 400, "invalid_request", param=param)
+
+
+def test_chat_messages_with_a_lone_surrogate_name_the_message():
+    body = {"messages": [{"role": "user", "content": "fine"}, {"role": "user", "content": "\ud800"}]}
+    raises(lambda: make_gateway().admit(f"Bearer {KEY}", body, chat=True), 400, "invalid_request",
+           param="messages[1].content")
+
+
+def test_logprobs_and_min_tokens_reach_sampling_params():
+    g = make_gateway()
+    a = g.admit(f"Bearer {KEY}", {"prompt": "a", "logprobs": 3, "min_tokens": 2, "max_tokens": 5}, chat=False)
+    assert a.sampling_kwargs()["logprobs"] == 3 and a.sampling_kwargs()["min_tokens"] == 2
+    c = g.admit(f"Bearer {KEY}", {"messages": [{"role": "user", "content": "a"}], "logprobs": True,
+                                  "top_logprobs": 4}, chat=True)
+    assert c.sampling_kwargs()["logprobs"] == 4
+    raises(lambda: g.admit(f"Bearer {KEY}", {"prompt": "a", "logprobs": 99}, chat=False), 400, "invalid_request",
+           param="logprobs")
+    raises(lambda: g.admit(f"Bearer {KEY}", {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2},
+                           chat=True), 400, "invalid_request", param="top_logprobs")

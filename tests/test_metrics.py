@@ -45,7 +45,7 @@ def test_single_token_request_has_no_tpot_and_no_itl():
     assert m.ttft_s == pytest.approx(0.010, abs=1e-12)
     assert m.e2e_s == m.ttft_s
     assert m.tpot_s is None and m.itl_s == []
-    assert m.breakdown == pytest.approx({"gateway": 0.0, "tokenize": 0.001, "queue": 0.002,
+    assert m.breakdown == pytest.approx({"gateway": 0.0, "body": 0.0, "tokenize": 0.001, "queue": 0.002,
                                          "prefill": 0.005, "first_token": 0.002}, abs=1e-12)
 
 
@@ -206,7 +206,7 @@ def test_breakdown_with_gateway_events_telescopes_to_ttft():
                            ("prefill_start", 10.2), ("prefill_end", 15), ("token", 16), ("token", 20),
                            ("sent", 20.1), ("finished", 20, {"reason": "length"})])
     m = request_metrics(tr)
-    assert m.breakdown == pytest.approx({"gateway": 0.003, "tokenize": 0.001, "queue": 0.006,
+    assert m.breakdown == pytest.approx({"gateway": 0.003, "body": 0, "tokenize": 0.001, "queue": 0.006,
                                          "prefill": 0.005, "first_token": 0.001}, abs=1e-12)
     assert sum(m.breakdown.values()) == pytest.approx(m.ttft_s, abs=1e-12)
     assert list(m.breakdown) == list(STAGES)
@@ -217,7 +217,7 @@ def test_breakdown_with_other_orders_and_missing_events():
     tr = make_trace("x", [("received", 0), ("enqueued", 2), ("tokenized", 3, {"n_tokens": 4}),
                           ("scheduled", 7), ("token", 20)])
     bd = ttft_breakdown(tr)
-    assert bd == pytest.approx({"gateway": 0, "tokenize": 0.001, "queue": 0.006,
+    assert bd == pytest.approx({"gateway": 0, "body": 0, "tokenize": 0.001, "queue": 0.006,
                                 "prefill": 0.013, "first_token": 0}, abs=1e-12)
     # no `received`: the clock starts at the earliest event
     tr = make_trace("y", [("tokenized", 5, {"n_tokens": 4}), ("scheduled", 9), ("token", 12)])
@@ -323,3 +323,15 @@ def test_ttft_ends_at_the_first_non_empty_token():
     m = request_metrics(tr)
     assert m.ttft_s == pytest.approx(0.020, abs=1e-12)
     assert m.output_tokens == 3 and m.e2e_s == pytest.approx(0.030, abs=1e-12)
+
+
+def test_body_read_is_its_own_ttft_stage():
+    """Server side: received (headers) → authenticated → body_read → tokenized …: the body's
+    arrival and parsing is the `body` stage, and the stages still add up to TTFT."""
+    tr = make_trace("srv", [("received", 0), ("authenticated", 0.1), ("body_read", 4.1),
+                            ("tokenized", 5.1, {"n_tokens": 7}), ("admitted", 5.2), ("enqueued", 5.3),
+                            ("scheduled", 6), ("prefill_start", 6), ("prefill_end", 9),
+                            ("token", 10, {"index": 0}), ("finished", 10, {"reason": "stop"})])
+    bd = request_metrics(tr).breakdown
+    assert bd["body"] == pytest.approx(0.004, abs=1e-12) and bd["gateway"] == pytest.approx(0.0002, abs=1e-12)
+    assert sum(bd.values()) == pytest.approx(request_metrics(tr).ttft_s, abs=1e-12)

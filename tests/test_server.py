@@ -266,7 +266,7 @@ def test_non_streaming_client_that_gives_up_frees_its_slot(server):
 
 # ---- traces --------------------------------------------------------------------------------
 
-STAGES_IN_ORDER = ["received", "authenticated", "admitted", "tokenized", "enqueued", "scheduled",
+STAGES_IN_ORDER = ["received", "authenticated", "body_read", "tokenized", "admitted", "enqueued", "scheduled",
                    "prefill_start", "prefill_end", "token", "detokenized", "sent"]
 
 
@@ -294,12 +294,18 @@ def test_trace_of_a_served_request_has_every_stage_in_order(server):
     assert engine_fin.extra["reason"] == "length" and engine_fin.t_ns <= tr.times("sent")[-1]
 
 
-def test_rejected_requests_are_traced(server):
+def test_rejected_requests_are_traced_only_when_the_key_was_valid(server):
+    """A stranger's 401 is counted, never stored: 10,000 bad keys must not evict real traces."""
+    before = server.state.trace_store.stats()["unauthenticated"]
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi"}, headers={"Authorization": "Bearer nope"})
-    rid = r.headers["x-request-id"]
-    tr = server.state.trace(rid)
-    assert [e.event for e in tr.events] == ["received", "rejected"]
-    assert tr.events[-1].extra == {"status": 401, "code": "invalid_api_key"}
+    assert r.status_code == 401
+    with pytest.raises(KeyError):
+        server.state.trace(r.headers["x-request-id"])
+    assert server.state.trace_store.stats()["unauthenticated"] == before + 1
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "top_p": 7}, headers=auth())
+    tr = server.state.trace(r.headers["x-request-id"])
+    assert [e.event for e in tr.events] == ["received", "authenticated", "body_read", "rejected"]
+    assert tr.events[-1].extra == {"status": 400, "code": "invalid_request"}
 
 
 def test_traces_endpoint_limit_and_validation(server):

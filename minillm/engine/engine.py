@@ -17,14 +17,13 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 
 from minillm.engine.config import EngineConfig
 from minillm.engine.kv_cache import KVCache, size_kv_cache
 from minillm.engine.output import OutputProcessor
 from minillm.engine.prefix_cache import SlotAllocator
 from minillm.engine.runner import ModelRunner
-from minillm.engine.sampling import SamplingParams, make_generator
+from minillm.engine.sampling import SamplingParams, TokenLogprobs, make_generator
 from minillm.engine.scheduler import ScheduledBatch, Scheduler
 from minillm.engine.sequence import Sequence
 from minillm.engine.step_record import StepHistory, StepRecord
@@ -48,6 +47,7 @@ class StepOutput:
     delta: str                 # new text, possibly "" (e.g. half of a UTF-8 character)
     finished: bool
     finish_reason: str | None
+    logprobs: TokenLogprobs | None = None   # this token's, when the request asked (SamplingParams.logprobs)
 
 
 @dataclass
@@ -60,6 +60,7 @@ class RequestOutput:
     finish_reason: str | None
     trace: Trace = field(repr=False)
     num_cached_tokens: int = 0        # prompt tokens served by the prefix cache
+    logprobs: list[TokenLogprobs] | None = None   # one per token of token_ids; None when not asked
 
     @property
     def metrics(self):
@@ -128,7 +129,8 @@ class LLMEngine:
             ids, text = list(prompt), None
         else:
             raise RequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        trace.record("tokenized", n_tokens=len(ids))
+        if trace.first("tokenized") is None:       # the server counted the ids already (one pass)
+            trace.record("tokenized", n_tokens=len(ids))
         self.validate_prompt_ids(ids)
         seq = Sequence(rid, text, ids, params, trace, eos_ids=self.eos_ids)
         seq.generator = make_generator(params, self.device)
@@ -202,20 +204,20 @@ class LLMEngine:
             rec.mark(now_ns())                                                    # scheduled
             self._record_prefill_start(batch, rec.t_ns[-1])
             try:
-                token_ids = self.runner.execute(batch, rec)
+                token_ids, logprobs = self.runner.execute(batch, rec)
             except Exception as e:   # e.g. out of memory: fail this batch, keep the engine alive
                 rec.error = f"{type(e).__name__}: {e}"
                 self.step_history.append(rec)
                 return self._fail_batch(batch, e)
             t = rec.t_ns[-1]
             outs = []
-            for (seq, n), tok in zip(batch.rows, token_ids):
+            for (seq, n), tok, lp in zip(batch.rows, token_ids, logprobs):
                 was_prefill = seq.in_prefill
                 seq.num_computed += n
                 if was_prefill:
                     self._record_chunk(seq, n, rec, t)
                 if tok is not None:
-                    outs.append(self._append_token(seq, tok, t))
+                    outs.append(self._append_token(seq, tok, lp, t))
             rec.mark(now_ns())                                                    # outputs processed
             self.step_history.append(rec)
             return outs
@@ -270,13 +272,16 @@ class LLMEngine:
             outs.append(StepOutput(seq.request_id, None, "", True, "error"))
         return outs
 
-    def _append_token(self, seq: Sequence, token_id: int, t_ns: int) -> StepOutput:
+    def _append_token(self, seq: Sequence, token_id: int, logprobs: TokenLogprobs | None,
+                      t_ns: int) -> StepOutput:
         seq.output_ids.append(token_id)
+        if logprobs is not None:
+            seq.logprobs.append(logprobs)
         seq.trace.record("token", t_ns=t_ns, index=len(seq.output_ids) - 1, token_id=token_id)
         delta, reason = self.output.append(seq, token_id)
         if reason is not None:
             self._finish(seq, reason)
-        return StepOutput(seq.request_id, token_id, delta, reason is not None, reason)
+        return StepOutput(seq.request_id, token_id, delta, reason is not None, reason, logprobs)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
@@ -284,7 +289,8 @@ class LLMEngine:
 
     def output_of(self, seq: Sequence) -> RequestOutput:
         return RequestOutput(seq.request_id, seq.prompt, list(seq.prompt_ids), seq.text,
-                             list(seq.output_ids), seq.finish_reason, seq.trace, seq.num_cached_tokens)
+                             list(seq.output_ids), seq.finish_reason, seq.trace, seq.num_cached_tokens,
+                             list(seq.logprobs) if seq.params.logprobs is not None else None)
 
 
 def generation_config_eos(checkpoint_dir: str | Path | None) -> set[int]:

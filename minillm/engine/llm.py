@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from typing import Iterator
 
-import torch
 
 from minillm.engine.config import EngineConfig
 from minillm.engine.engine import LLMEngine, RequestOutput, generation_config_eos

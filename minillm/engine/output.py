@@ -11,6 +11,9 @@ finish reasons. Runs on the host after every step, for every row that produced a
 - Stop rules follow vLLM: EOS (unless ``ignore_eos``), ``stop_token_ids`` and ``stop`` strings
   end a request with reason "stop"; ``max_tokens`` or the context with "length". The text of
   the stop string or stop token is not in the output unless ``include_stop_str_in_output``.
+  Until ``min_tokens`` tokens exist none of them ends a request (the sampler cannot even pick
+  EOS or a stop token then), and a stop string only counts if it ends in text produced from the
+  min_tokens-th token on (vLLM ignores stop strings before min_tokens).
 - While a request runs, a tail that could be the start of a stop string is held back, so the
   streamed deltas always add up to the final text.
 """
@@ -59,6 +62,7 @@ class OutputState:
     detok: object                  # StreamDetokenizer | IncrementalDetokenizer
     text: str = ""                 # detokenized output so far (stop strings removed)
     emitted: int = 0               # chars of ``text`` already handed out as deltas
+    stop_from: int = 0             # a stop string must end past this many chars (min_tokens)
 
 
 class OutputProcessor:
@@ -74,28 +78,34 @@ class OutputProcessor:
         the finish reason (None while the request goes on)."""
         st: OutputState = seq.output
         p = seq.params
+        may_stop = not seq.below_min_tokens        # this token counts: len(output) ≥ min_tokens
         is_eos = token_id in seq.eos_ids and not p.ignore_eos
-        is_stop_token = token_id in p.stop_token_ids
-        reason = "stop" if (is_eos or is_stop_token) else None
+        stop_token = may_stop and (is_eos or token_id in p.stop_token_ids)
+        reason = "stop" if stop_token else None
         if reason is None and (len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len):
             reason = "length"
         # EOS never adds text; a stop token only when asked to (vLLM's rule)
-        if not is_eos and (not is_stop_token or p.include_stop_str_in_output):
+        if not is_eos and (not stop_token or p.include_stop_str_in_output):
             st.text += st.detok.push(token_id)
         if reason is not None:
             st.text += st.detok.flush()      # finishing: release anything held back
-        reason = self._check_stop_strings(seq) or reason
+        if may_stop:
+            reason = self._check_stop_strings(seq) or reason
+        else:
+            st.stop_from = len(st.text)      # text so far can hold no stop string
         return self._take_delta(seq, final=reason is not None), reason
 
     @staticmethod
     def _check_stop_strings(seq: Sequence) -> str | None:
-        """Cut the text at the first stop string (kept only with include_stop_str_in_output)."""
+        """Cut the text at the first stop string (kept only with include_stop_str_in_output).
+        Only matches ending past ``stop_from`` count; they start at or after ``emitted`` (the
+        held-back tail is as long as the longest stop string less one), so no delta is undone."""
         st, p = seq.output, seq.params
         if not p.stop:
             return None
         longest = max(map(len, p.stop))
         start = max(0, st.emitted - longest)
-        hits = [(i, s) for s in p.stop if (i := st.text.find(s, start)) >= 0]
+        hits = [(i, s) for s in p.stop if (i := st.text.find(s, max(start, st.stop_from - len(s) + 1))) >= 0]
         if not hits:
             return None
         i, s = min(hits)

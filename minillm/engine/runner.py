@@ -2,7 +2,8 @@
 
     rows [(seq, num_new)] ─► packed tokens [N], positions [N], attention metadata
         ─► forward (eager, or a CUDA-graph replay for decode) ─► logits of rows that finish
-        their known tokens ─► batched sampling ─► one host read of the chosen ids
+        their known tokens ─► min_tokens mask ─► batched sampling (+ logprobs for rows that
+        ask) ─► one host read of the chosen ids and logprobs
 
 Packing: rows with one new token (decodes) go first, then prefill chunks. A row samples only
 when this step computes its last known token; a prompt's earlier chunks sample nothing.
@@ -20,7 +21,14 @@ import torch
 from minillm.engine.attention import AttentionBackend, AttentionMetadata, build_metadata
 from minillm.engine.cuda_graphs import GraphPool
 from minillm.engine.kv_cache import KVCache
-from minillm.engine.sampling import Sampler
+from minillm.engine.sampling import (
+    Sampler,
+    TokenLogprobs,
+    ban_tokens,
+    logprobs_on_device,
+    read_sampled,
+    unpack_logprobs,
+)
 from minillm.engine.scheduler import ScheduledBatch
 from minillm.engine.sequence import Sequence
 from minillm.engine.step_record import StepRecord
@@ -78,9 +86,11 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, rec: StepRecord) -> list[int | None]:
-        """Run the forward for ``batch`` and sample. Returns one token id per row of
-        ``batch.rows`` (None for a row that computed a prompt chunk and samples nothing)."""
+    def execute(self, batch: ScheduledBatch,
+                rec: StepRecord) -> tuple[list[int | None], list[TokenLogprobs | None]]:
+        """Run the forward for ``batch`` and sample. Returns, per row of ``batch.rows``, the token
+        id (None for a row that computed a prompt chunk and samples nothing) and its logprobs
+        (None unless the request asked for them)."""
         rows = sorted(batch.rows, key=lambda r: r[1] > 1)         # decodes (1 token) first, stable
         sampling = [s.num_computed + n == s.num_tokens for s, n in rows]
         sample_seqs = [s for (s, _), yes in zip(rows, sampling) if yes]
@@ -106,14 +116,33 @@ class ModelRunner:
         if self.sync_timing:
             synchronize(self.device)              # stamp when the device finished, not when we launched
         rec.mark(now_ns())                                                          # device done
-        ids = self.sampler(logits, [s.params for s in sample_seqs],
-                           [s.generator for s in sample_seqs]).tolist()   # the step's one host sync
+        ids, logprobs = self._sample(logits, sample_seqs)                  # the step's one host sync
         if events:
             rec.device_ms = events[0].elapsed_time(events[1])
         rec.mark(now_ns())                                                          # sampled
-        it = iter(ids)
-        by_seq = {id(s): (next(it) if yes else None) for (s, _), yes in zip(rows, sampling)}
-        return [by_seq[id(s)] for s, _ in batch.rows]
+        it = iter(zip(ids, logprobs))
+        by_seq = {id(s): (next(it) if yes else (None, None)) for (s, _), yes in zip(rows, sampling)}
+        picked = [by_seq[id(s)] for s, _ in batch.rows]
+        return [t for t, _ in picked], [lp for _, lp in picked]
+
+    def _sample(self, logits: torch.Tensor,
+                seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """logits: [S, V], row i for seqs[i] → the chosen ids and, for the rows that ask, their
+        logprobs, read on the host together. Rows that ask for nothing cost nothing extra."""
+        V = logits.shape[-1]
+        # min_tokens masks EOS / stop ids for the draw only: the logprobs below are computed
+        # from the unmasked logits, vLLM's default "raw" logprobs (the model's distribution,
+        # before the mask, temperature and top-k/top-p reshape it).
+        masked = ban_tokens(logits, [s.banned_ids(V) for s in seqs])                       # [S, V]
+        ids = self.sampler(masked, [s.params for s in seqs], [s.generator for s in seqs])   # [S]
+        asked = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        k = max((seqs[i].params.logprobs for i in asked), default=0)    # one top-k for all rows
+        lp = logprobs_on_device(logits, ids, asked, k) if asked else None                 # [L, 2 + 2k]
+        host_ids, rows = read_sampled(ids, lp, V)
+        out: list[TokenLogprobs | None] = [None] * len(seqs)
+        for i, values in zip(asked, rows):
+            out[i] = unpack_logprobs(host_ids[i], values, k, seqs[i].params.logprobs)
+        return host_ids, out
 
     def _pack(self, rows: list[tuple[Sequence, int]], sampling: list[bool]):
         tokens, positions, logits_index = [], [], []

@@ -4,9 +4,18 @@ sampling values are validated: the HTTP gateway builds one too, so the two never
 
 The sampler is batched on the device: temperature, top-k and top-p are per-row tensors, the
 draw is an exponential race (gpt-fast: ``argmax(p / q)`` with ``q ~ Exp(1)`` picks token i with
-probability p_i), and the only host sync of a step is reading the chosen ids. Unseeded rows draw
-from the engine's own generator, so nothing touches torch's global random state; a seeded row
-draws from its own generator, so it gives the same tokens alone or in any batch.
+probability p_i), and the only host sync of a step is reading the chosen ids (and any logprobs,
+in the same read). Unseeded rows draw from the engine's own generator, so nothing touches torch's
+global random state; a seeded row draws from its own generator, so it gives the same tokens
+alone or in any batch.
+
+Two per-row extras around the draw, both on the device and both free for rows that do not ask:
+
+- ``min_tokens`` (vLLM): until a request has that many output tokens, its EOS and stop token
+  ids are masked to -inf before the draw (``ban_tokens``), greedy rows included.
+- ``logprobs`` (vLLM/OpenAI): the chosen token's log-probability, its rank and the N most likely
+  alternatives, as log_softmax of the model's raw logits in fp32 (``logprobs_on_device``). They
+  travel to the host in the same single read as the chosen ids (``read_sampled``).
 """
 from __future__ import annotations
 
@@ -18,6 +27,9 @@ import torch
 # Below this temperature a row is greedy: dividing by 3e-39 overflows to inf and the softmax
 # to NaN (vLLM uses the same threshold for the same reason).
 SAMPLING_EPS = 1e-5
+
+# Most alternatives a request may ask for per token (OpenAI's top_logprobs cap, vLLM's default).
+MAX_LOGPROBS = 20
 
 
 @dataclass
@@ -31,6 +43,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False          # benchmarks: generate exactly max_tokens (10.6)
     include_stop_str_in_output: bool = False   # vLLM's: keep the matched stop string / stop token's text
+    logprobs: int | None = None       # None: none; 0: the chosen token's; N: also the top N (≤ 20)
+    min_tokens: int = 0               # until this many tokens: no EOS, no stop token, no stop string
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -76,6 +90,13 @@ def sampling_problems(p: SamplingParams) -> list[str]:
     for name in ("ignore_eos", "include_stop_str_in_output"):
         if not isinstance(getattr(p, name), bool):
             problems.append(f"{name} must be true or false, got {getattr(p, name)!r}")
+    if p.logprobs is not None and (not _is_int(p.logprobs) or not 0 <= p.logprobs <= MAX_LOGPROBS):
+        problems.append(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}] (0: only the chosen "
+                        f"token's; N: also the N most likely tokens), got {p.logprobs!r}")
+    if not _is_int(p.min_tokens) or p.min_tokens < 0:
+        problems.append(f"min_tokens must be an integer ≥ 0, got {p.min_tokens!r}")
+    elif _is_int(p.max_tokens) and p.min_tokens > p.max_tokens:
+        problems.append(f"min_tokens must be ≤ max_tokens ({p.max_tokens}), got {p.min_tokens!r}")
     return problems
 
 
@@ -146,3 +167,67 @@ def _top_k_top_p_sorted(x: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor) -> 
     sorted_x = sorted_x.masked_fill(drop, float("-inf"))
     return torch.empty_like(x).scatter_(-1, order, sorted_x)
 
+
+# ---------------------------------------------------------------------------- min_tokens
+def ban_tokens(logits: torch.Tensor, banned: list[list[int]]) -> torch.Tensor:
+    """logits: [R, V]; ``banned[r]``: ids row r may not sample this step (min_tokens). Returns
+    logits with those entries at -inf; the same tensor when nothing is banned. Out of place:
+    the raw logits stay untouched for the logprobs (and for a CUDA graph's output buffer)."""
+    rows = [r for r, ids in enumerate(banned) for _ in ids]
+    cols = [t for ids in banned for t in ids]
+    if not cols:
+        return logits
+    where = _to_device(torch.tensor([rows, cols], dtype=torch.long), logits.device)   # [2, n]
+    out = logits.clone()                                                            # [R, V]
+    out.index_put_((where[0], where[1]), torch.tensor(float("-inf"), dtype=out.dtype, device=out.device))
+    return out
+
+
+# ---------------------------------------------------------------------------- logprobs
+@dataclass
+class TokenLogprobs:
+    """One output token's log-probabilities: vLLM's default "raw" logprobs, log_softmax of the
+    model's logits in fp32, before temperature, top-k/top-p and the min_tokens mask."""
+    token_id: int                      # the token chosen
+    logprob: float                     # its log-probability
+    rank: int                          # 1 + how many tokens are more likely (1: the argmax)
+    top: list[tuple[int, float]]       # the N most likely (token id, logprob), best first; [] for N = 0
+
+
+def logprobs_on_device(logits: torch.Tensor, ids: torch.Tensor, rows: list[int], k: int) -> torch.Tensor:
+    """logits: [R, V] (raw), ids: [R] chosen; for the rows ``rows`` (those that asked) →
+    [L, 2 + 2k]: chosen logprob, rank, k top ids, k top logprobs (ids as floats: see read_sampled)."""
+    idx = _to_device(torch.tensor(rows, dtype=torch.long), logits.device)         # [L]
+    lp = logits.index_select(0, idx).float().log_softmax(-1)                       # [L, V] fp32
+    chosen = lp.gather(-1, ids.index_select(0, idx)[:, None])                      # [L, 1]
+    rank = (lp > chosen).sum(-1, keepdim=True) + 1                                 # [L, 1]
+    top = lp.topk(k, dim=-1)                                                       # [L, k] each
+    return torch.cat([chosen, rank.float(), top.indices.float(), top.values], dim=-1)
+
+
+def read_sampled(ids: torch.Tensor, logprobs: torch.Tensor | None,
+                 vocab_size: int) -> tuple[list[int], list[list[float]]]:
+    """ids: [R], logprobs: [L, W] or None → (R ids, L rows of W values) in ONE host read: both
+    are packed into one float tensor. fp32 holds the integers below 2**24 exactly (any real
+    vocabulary's ids and ranks), and MPS has no fp64; a larger vocabulary would take fp64."""
+    if logprobs is None:
+        return ids.tolist(), []
+    dtype = torch.float32 if vocab_size < 2**24 else torch.float64
+    packed = torch.cat([ids.to(dtype), logprobs.to(dtype).flatten()]).tolist()    # the one host sync
+    R, W = ids.shape[0], logprobs.shape[1]
+    rows = [packed[R + i * W: R + (i + 1) * W] for i in range(logprobs.shape[0])]
+    return [int(t) for t in packed[:R]], rows
+
+
+def unpack_logprobs(token_id: int, values: list[float], k: int, n: int) -> TokenLogprobs:
+    """One row of ``logprobs_on_device`` (computed with ``k`` top entries, read on the host) →
+    TokenLogprobs keeping the ``n`` alternatives this request asked for."""
+    chosen, rank, top_ids, top_lps = values[0], values[1], values[2: 2 + k], values[2 + k: 2 + 2 * k]
+    return TokenLogprobs(token_id, chosen, int(rank), [(int(t), v) for t, v in zip(top_ids[:n], top_lps[:n])])
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host → device copy that does not wait for the queued forward (pinned on CUDA)."""
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minillm.engine.sampling import SamplingParams
+from minillm.engine.sampling import SamplingParams, TokenLogprobs
 from minillm.measure.trace import Trace
 
 
@@ -35,6 +35,7 @@ class Sequence:
     status: Status = Status.WAITING
     slot: int | None = None
     output_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)   # one per output token, if asked
     num_computed: int = 0              # tokens whose K/V are in the cache (stored, see above)
     num_cached_tokens: int = 0         # of the prompt, served by the prefix cache (a hit)
     finish_reason: str | None = None   # "stop" | "length" | "abort" | "error"
@@ -73,6 +74,21 @@ class Sequence:
     @property
     def last_token(self) -> int:
         return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
+    def below_min_tokens(self) -> bool:
+        """Fewer than ``min_tokens`` output tokens: nothing may end the request yet but length."""
+        return len(self.output_ids) < self.params.min_tokens
+
+    def banned_ids(self, vocab_size: int) -> list[int]:
+        """Ids the next token may not be (vLLM's min_tokens): EOS (unless ignore_eos) and the stop
+        token ids while below min_tokens, else none. Ids past the vocabulary cannot be sampled
+        anyway, and would be out of range for the mask."""
+        if not self.below_min_tokens:
+            return []
+        p = self.params
+        ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_ids))
+        return sorted(t for t in ids if t < vocab_size)
 
     @property
     def finished(self) -> bool:

@@ -38,12 +38,13 @@ from minillm.measure.trace import Trace
 # Stages of TTFT (chapter 10.2): the stage each milestone event *closes*. The time from one
 # milestone to the next is charged to the stage of the later one, so the stages telescope:
 # they add up to TTFT exactly, whatever subset of events a trace happens to hold.
-STAGES = ("gateway", "tokenize", "queue", "prefill", "first_token")
+STAGES = ("gateway", "body", "tokenize", "queue", "prefill", "first_token")
 STAGE_OF_EVENT = {
     "received": "gateway",        # only a second `received` (the first one starts the clock)
     "authenticated": "gateway",
     "admitted": "gateway",
     "rejected": "gateway",
+    "body_read": "body",          # the request body received and parsed as JSON (server side)
     "tokenized": "tokenize",
     "enqueued": "queue",
     "scheduled": "queue",

@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 # The stages of one request, in the order a request normally meets them (design.md §1).
 EVENTS = (
-    "received", "authenticated", "admitted", "rejected",   # gateway
+    "received", "authenticated", "body_read", "admitted", "rejected",   # gateway (and the body)
     "tokenized",                                           # tokenizer
     "enqueued", "scheduled", "preempted",                  # scheduling queue
     "prefill_start", "prefill_chunk", "prefill_end", "first_token",   # prefill (chunk by chunk)

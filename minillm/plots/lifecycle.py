@@ -23,10 +23,11 @@ from typing import Any, Iterable
 
 from minillm.measure.trace import Trace
 
-STAGE_ORDER = ("gateway", "tokenize", "queue", "prefill", "decode", "return")
-STAGE_COLORS = {"gateway": "tab:purple", "tokenize": "tab:olive", "queue": "tab:red",
+STAGE_ORDER = ("gateway", "body", "tokenize", "queue", "prefill", "decode", "return")
+STAGE_COLORS = {"gateway": "tab:purple", "body": "tab:brown", "tokenize": "tab:olive", "queue": "tab:red",
                 "prefill": "tab:orange", "decode": "tab:blue", "return": "tab:green"}
-STAGE_HELP = {"gateway": "auth, validation, rate limit, admission",
+STAGE_HELP = {"gateway": "auth, request rate (and, after tokenize, the token quota and admission)",
+              "body": "the request body arrives and is parsed as JSON",
               "tokenize": "text → token ids",
               "queue": "waiting for the engine and a batch slot",
               "prefill": "the whole prompt in one forward pass → first token",
@@ -75,7 +76,8 @@ def stage_spans(trace: Any) -> list[StageSpan]:
     (an in-process request has no gateway; a rejected one has nothing after the gateway)."""
     tr = as_trace(trace)
     tokens = tr.times("token")
-    marks = [("gateway", _first(tr, "received"), _first(tr, "admitted") or _first(tr, "rejected")),
+    marks = [("gateway", _first(tr, "received"), _first(tr, "authenticated") or _first(tr, "rejected")),
+             ("body", None, _first(tr, "body_read")),
              ("tokenize", None, _first(tr, "tokenized")),
              ("queue", None, _first(tr, "scheduled")),
              ("prefill", None, tokens[0] if tokens else None),

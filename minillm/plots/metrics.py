@@ -18,9 +18,9 @@ from minillm.measure.metrics import STAGES, RequestMetrics, breakdown_at_percent
 from minillm.measure.trace import Trace
 from minillm.measure.workload import token_gaps
 
-STAGE_COLORS = {"gateway": "tab:purple", "tokenize": "tab:olive", "queue": "tab:red",
+STAGE_COLORS = {"gateway": "tab:purple", "body": "tab:brown", "tokenize": "tab:olive", "queue": "tab:red",
                 "prefill": "tab:blue", "first_token": "tab:gray"}
-STAGE_LABELS = {"gateway": "gateway", "tokenize": "tokenize", "queue": "queue",
+STAGE_LABELS = {"gateway": "gateway", "body": "request body", "tokenize": "tokenize", "queue": "queue",
                 "prefill": "prefill", "first_token": "first token (sample + copy)"}
 
 

@@ -1,20 +1,42 @@
-"""The FastAPI app: routes over a :class:`ServingState`."""
+"""The FastAPI app: routes over a :class:`ServingState` (chapter 10.1's first and last stage).
+
+The event loop only admits and streams. On the loop: the ``received`` stamp (ASGI middleware,
+when the request's headers reach the app, before its body is read), the API key and request
+rate (microseconds), reading the body. Off the loop (a worker thread): JSON parsing, validation,
+tokenizing (once: the engine takes the ids the gateway counted), trace serialization. A 1 MiB
+prompt then costs its own request seconds of tokenizing, and every other stream nothing.
+
+Routes: ``/v1/completions``, ``/v1/chat/completions`` (OpenAI), ``/v1/models`` and
+``/v1/models/{id}``, ``/tokenize`` and ``/detokenize`` (vLLM's shapes), ``/v1/traces`` (a key's
+own traces, paginated), ``/v1/steps`` (the engine's StepRecords), ``/health`` (no key, no
+counters), ``/metrics`` (Prometheus, vLLM's names), ``/docs`` and ``/openapi.json``.
+"""
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 import uuid
 
-from starlette.requests import Request   # module level: FastAPI resolves string annotations here
+from starlette.requests import (
+    Request,  # module level: FastAPI resolves string annotations here
+)
 
 from minillm.engine.step_record import PHASES
-from minillm.measure.trace import Trace
+from minillm.measure.trace import Trace, now_ns
 from minillm.serving.config import ServerConfig
 from minillm.serving.engine_loop import Closed
 from minillm.serving.gateway import AdmittedRequest, GatewayError
+from minillm.serving.protocol import (
+    ChatCompletionBody,
+    CompletionBody,
+    DetokenizeBody,
+    TokenizeBody,
+    request_body,
+)
 from minillm.serving.responses import (
     BodyTooLarge,
     Job,
@@ -29,6 +51,28 @@ from minillm.serving.state import ServingState
 
 log = logging.getLogger(__name__)
 MAX_STEPS_LIMIT = 10_000       # StepRecords one GET /v1/steps returns at most (a larger limit is capped)
+MAX_TRACES_PAGE = 1_000        # traces one GET /v1/traces returns at most (then ?after= the cursor)
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")   # what we accept from X-Request-Id
+
+
+class ReceivedStamp:
+    """Pure ASGI middleware: stamp the moment a request reaches the app (its headers parsed,
+    its body not yet read). The handler's own start can be much later under load (the loop is
+    busy with other streams), and clients start their clock before that: this is as early as
+    the app can know (chapter 10.1; the README says what still lies before it)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            scope.setdefault("state", {})["received_ns"] = now_ns()
+        await self.app(scope, receive, send)
+
+
+def _is_json(content_type: str | None) -> bool:
+    return (content_type or "").split(";", 1)[0].strip().lower() == "application/json"
+
 
 # ---------------------------------------------------------------------------------------------
 # The app
@@ -59,8 +103,9 @@ def create_app(config: ServerConfig | ServingState | None = None, *, llm=None):
         finally:
             await asyncio.to_thread(state.shutdown)
 
-    app = FastAPI(title="minillm", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+    app = FastAPI(title="minillm", version="0.1.0", lifespan=lifespan, redoc_url=None,
+                  redirect_slashes=False)   # a redirect would echo the request's (spoofable) Host
+    app.add_middleware(ReceivedStamp)
     app.state.minillm = state
     app.state.server = state          # the name of an earlier draft
 
@@ -71,7 +116,8 @@ def create_app(config: ServerConfig | ServingState | None = None, *, llm=None):
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "http_error")
-        return error_response(GatewayError(e.status_code, code, str(e.detail)))
+        # keep Starlette's headers: a 405 carries `Allow` (RFC 9110)
+        return error_response(GatewayError(e.status_code, code, str(e.detail), headers=dict(e.headers or {})))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError):
@@ -84,70 +130,134 @@ def create_app(config: ServerConfig | ServingState | None = None, *, llm=None):
 
     @app.get("/health")
     async def health():
+        """Alive or not: no key, and nothing about the load (that is /metrics' job)."""
         ok = state.loop.alive
-        return JSONResponse({"status": "ok" if ok else "stopped", **state.stats()}, status_code=200 if ok else 503)
+        return JSONResponse({"status": "ok" if ok else "stopped"}, status_code=200 if ok else 503)
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics(request: Request):
+        body, content_type = await asyncio.to_thread(state.render_metrics)
+        return Response(body, media_type=content_type)
+
+    def model_card() -> dict:
+        # vLLM's fields: `root` (the weights it serves) and `parent` (None: not a LoRA adapter)
+        return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "minillm",
+                "root": str(state.config.engine.model), "parent": None, "max_model_len": state.engine.max_model_len}
 
     @app.get("/v1/models")
     async def models(request: Request):
         state.auth.check(request.headers.get("authorization"))
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
-                                            "owned_by": "minillm", "max_model_len": state.engine.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request):
+        state.auth.check(request.headers.get("authorization"))
+        if model_id != state.model_name:
+            raise GatewayError(404, "model_not_found", f"The model '{model_id[:100]}' does not exist.", param="model")
+        return model_card()
+
+    async def json_body(request: Request) -> dict:
+        """The body of a small JSON endpoint (tokenize, detokenize): bounded, JSON, an object."""
+        if not _is_json(request.headers.get("content-type")):
+            raise GatewayError(415, "unsupported_media_type", "The request body must be JSON "
+                               "(Content-Type: application/json).")
+        try:
+            body = json.loads(await read_body(request, state.config.max_body_bytes))
+        except BodyTooLarge as e:
+            raise GatewayError(413, "request_too_large", f"The request body has {e.size} bytes; this "
+                               f"server accepts at most {e.limit} bytes.") from None
+        except (ValueError, RecursionError) as e:
+            raise GatewayError(400, "invalid_request", f"The request body is not valid JSON ({type(e).__name__}).") from None
+        if not isinstance(body, dict):
+            raise GatewayError(400, "invalid_request", "The request body must be a JSON object.")
+        return body
+
+    @app.post("/tokenize", openapi_extra=request_body(TokenizeBody))
+    async def tokenize(request: Request):
+        """vLLM's /tokenize: ``{"prompt": ...}`` or ``{"messages": [...]}`` → ``{"count", "max_model_len",
+        "tokens"}``. The same tokenizer and chat template as a completion."""
+        state.auth.check(request.headers.get("authorization"))
+        body = await json_body(request)
+        return await asyncio.to_thread(state.tokenize_body, body)
+
+    @app.post("/detokenize", openapi_extra=request_body(DetokenizeBody))
+    async def detokenize(request: Request):
+        """vLLM's /detokenize: ``{"tokens": [ids]}`` → ``{"prompt": text}``."""
+        state.auth.check(request.headers.get("authorization"))
+        body = await json_body(request)
+        return await asyncio.to_thread(state.detokenize_body, body)
 
     @app.get("/v1/traces")
     async def traces(request: Request):
-        """Plain-JSON traces of recent requests: ``?request_id=a&request_id=b`` (or ``a,b``), ``?limit=N``."""
-        state.auth.check(request.headers.get("authorization"))
+        """The caller's own traces (every caller's for the admin key), oldest first, in pages:
+        ``?limit=N`` (at most MAX_TRACES_PAGE), ``?after=<next from the previous page>``,
+        ``?request_id=a&request_id=b`` (or ``a,b``)."""
+        key_id = state.auth.check(request.headers.get("authorization"))
         ids = [i for v in request.query_params.getlist("request_id") for i in v.split(",") if i]
-        found = state.traces(ids or None, limit_param(request))
-        return {"object": "list",
-                "data": [{"request_id": t.request_id, "events": [e.as_dict() for e in t.events]} for t in found]}
+        limit = limit_param(request, cap=MAX_TRACES_PAGE)
+        after = limit_param(request, name="after") or 0
+        # Off the event loop: serializing a thousand traces would stall every stream.
+        return await asyncio.to_thread(state.traces_page, key_id, ids or None, after,
+                                       MAX_TRACES_PAGE if limit is None else limit)
 
     @app.get("/v1/steps")
     async def steps(request: Request):
         """The engine's recent steps (StepRecords, oldest first): ``?limit=N`` (at most
-        MAX_STEPS_LIMIT). Each has its phases' end timestamps and its prefill/decode tokens."""
-        state.auth.check(request.headers.get("authorization"))
+        MAX_STEPS_LIMIT). Each has its phases' end timestamps and its prefill/decode tokens.
+        Engine-wide: the admin key, or any key on a server without an admin key."""
+        key_id = state.auth.check(request.headers.get("authorization"))
+        if not state.may_read_steps(key_id):
+            raise GatewayError(403, "permission_denied", "The engine's step records need the admin key.")
         limit = limit_param(request, cap=MAX_STEPS_LIMIT)
         # Off the event loop: thousands of records to turn into dicts would stall every stream.
         records = await asyncio.to_thread(state.steps, MAX_STEPS_LIMIT if limit is None else limit)
         return {"object": "list", "phases": list(PHASES), "data": records}
 
+    def request_id_for(request: Request, chat: bool) -> str:
+        """The client's X-Request-Id when it is well-formed and not in use (so its records join
+        the server's traces); else ours (with the client's as a prefix, when it had one)."""
+        ours = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        theirs = request.headers.get("x-request-id")
+        if theirs is None or not _REQUEST_ID.match(theirs):
+            return ours
+        return theirs if state.claim_request_id(theirs) else f"{theirs}-{uuid.uuid4().hex[:8]}"
+
     async def handle(request: Request, chat: bool):
-        from minillm.engine.engine import RequestError
-        from minillm.engine.sampling import SamplingParams
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        rid = request_id_for(request, chat)
         trace = Trace(rid)
-        trace.record("received", path=request.url.path)
+        trace.record("received", t_ns=request.state.received_ns, path=request.url.path)
         authorization = request.headers.get("authorization")
         admitted: AdmittedRequest | None = None
         try:
+            # On the loop, microseconds: who is it, and within its request rate? Nothing else is
+            # done for a stranger, or for a caller over its rate (not even reading its 1 MiB body).
+            key_id = state.gateway.authenticate(authorization, trace)
+            if not _is_json(request.headers.get("content-type")):
+                state.gateway.refund_request(key_id)     # refused: it must not use up the caller's rate
+                raise GatewayError(415, "unsupported_media_type", "The request body must be JSON "
+                                   "(Content-Type: application/json).")
             try:
-                body = json.loads(await read_body(request, state.config.max_body_bytes))
+                raw = await read_body(request, state.config.max_body_bytes)
             except ClientDisconnect:        # gone while sending the body: nobody to answer
                 trace.record("rejected", status=499, code="client_disconnected")
+                state.gateway.refund_request(key_id)
                 state.remember(trace)
                 return Response(status_code=499)
-            except (BodyTooLarge, ValueError, RecursionError) as e:
-                # Auth first even here: a stranger learns nothing, not even that the body was bad.
-                trace.record("authenticated", key_id=state.auth.check(authorization))
-                if isinstance(e, BodyTooLarge):
-                    raise GatewayError(413, "request_too_large",
-                                       f"The request body has {e.size} bytes; this server accepts at most "
-                                       f"{e.limit} bytes (max_body_bytes).") from None
-                raise GatewayError(400, "invalid_request",
-                                   f"The request body is not valid JSON ({type(e).__name__}: {e})."[:300]) from None
-            admitted = state.gateway.admit(authorization, body, chat=chat, trace=trace)
-            try:
-                params = SamplingParams(**admitted.sampling_kwargs())
-                seq = state.engine.prepare(state.prompt_text(admitted.request), params, request_id=rid, trace=trace)
-            except (RequestError, ValueError) as e:
-                raise GatewayError(400, "invalid_request", str(e)) from None
+            except BodyTooLarge as e:
+                state.gateway.refund_request(key_id)
+                raise GatewayError(413, "request_too_large",
+                                   f"The request body has {e.size} bytes; this server accepts at most "
+                                   f"{e.limit} bytes (max_body_bytes).") from None
+            # Off the loop: parse, validate, tokenize (once), check the context and the token
+            # quota, take a place in the queue, build the sequence.
+            admitted, seq = await asyncio.to_thread(state.admit, key_id, raw, chat, trace)
             stream = state.loop.submit(seq, every_output=admitted.request.stream)
         except GatewayError as e:
             if admitted is not None:
                 state.gateway.release(admitted)
             if trace.last("rejected") is None:
                 trace.record("rejected", status=e.status, code=e.code)
+            state.release_request_id(rid)
             state.remember(trace)
             return error_response(e, rid)
 
@@ -183,11 +293,11 @@ def create_app(config: ServerConfig | ServingState | None = None, *, llm=None):
             return error_response(engine_error(job), job.request_id)
         return TracedJSONResponse(job, job.final_body())
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=request_body(CompletionBody))
     async def completions(request: Request):
         return await handle(request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionBody))
     async def chat_completions(request: Request):
         return await handle(request, chat=True)
 

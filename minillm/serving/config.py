@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -28,7 +29,9 @@ class _ServerOptions:
     max_queue_depth: int = 256         # requests inside the server (waiting + running), else 503
     max_tokens_cap: int = 256          # max_tokens of a request that does not say
     max_body_bytes: int = MAX_BODY_BYTES
-    trace_history: int = 10_000        # traces kept for /v1/traces (a bounded deque)
+    trace_history: int = 10_000        # traces kept for /v1/traces, at most (count bound)
+    trace_store_bytes: int = 64 << 20  # ... and at most this many bytes of them (estimated)
+    admin_key: str | None = None       # reads every key's traces and the engine's steps
     served_model_name: str | None = None
     log_level: str = "warning"
     graceful_timeout_s: float = 5.0    # at shutdown, how long open connections may take to close
@@ -36,6 +39,13 @@ class _ServerOptions:
     # with few cores, leaving one core to the HTTP side keeps streaming smooth: with every core
     # in torch, each chunk written competes with the next step (see `python -m minillm bench-http`).
     torch_threads: int | None = None
+    # Receiving a request (serving/guard.py): strangers must not hold connections by sending
+    # slowly or never finishing. The deadlines cover receiving the request, not the response.
+    header_timeout_s: float = 10.0     # connection open (or a next request's 1st byte) → headers complete, else 408 + close
+    body_timeout_s: float = 30.0       # headers complete → body complete, else 408 + close
+    max_header_bytes: int = 64 * 1024  # a larger request head: 431 + close
+    max_connections: int | None = 1024  # connections served at once; a request on one more gets 503 (None: no limit)
+    keep_alive_timeout_s: float = 5.0  # an idle kept-alive connection is closed after this (uvicorn's timeout_keep_alive)
 
     def __post_init__(self) -> None:
         if self.max_queue_depth < 1:
@@ -44,8 +54,18 @@ class _ServerOptions:
             raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
         if self.trace_history < 1:
             raise ValueError(f"trace_history must be ≥ 1, got {self.trace_history}")
+        if self.trace_store_bytes < 1 << 16:
+            raise ValueError(f"trace_store_bytes must be at least 65536, got {self.trace_store_bytes}")
         if self.port is not None and not 0 <= self.port <= 65535:   # before loading a model
             raise ValueError(f"port must be in 0..65535 (0: any free port), got {self.port}")
+        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
+        if self.max_header_bytes < 1024:
+            raise ValueError(f"max_header_bytes must be at least 1024, got {self.max_header_bytes}")
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ValueError(f"max_connections must be ≥ 1 (or None: no limit), got {self.max_connections}")
 
 
 _ENGINE_OPTIONS = frozenset(EngineConfig.names())
@@ -94,6 +114,13 @@ def config_from_args(a, engine: EngineConfig | None = None) -> ServerConfig:
                         requests_per_s=opt("requests_per_s"), tokens_per_min=opt("tokens_per_min"),
                         burst=opt("burst"), max_queue_depth=opt("max_queue_depth", 256),
                         log_level=opt("log_level", "info"),
+                        header_timeout_s=opt("header_timeout_s", 10.0), body_timeout_s=opt("body_timeout_s", 30.0),
+                        max_header_bytes=opt("max_header_bytes", 64 * 1024),
+                        max_connections=opt("max_connections", 1024) or None,      # 0: no limit
+                        keep_alive_timeout_s=opt("keep_alive_timeout_s", 5.0),
+                        admin_key=opt("admin_key") or os.environ.get("MINILLM_ADMIN_KEY") or None,
+                        trace_history=opt("trace_history", 10_000),
+                        trace_store_bytes=opt("trace_store_bytes", 64 << 20),
                         torch_threads=opt("torch_threads") or default_server_threads(engine.device))
 
 

@@ -92,19 +92,11 @@ def _retry_after(seconds: float) -> dict[str, str]:
 # ---------------------------------------------------------------------------------------------
 
 ANONYMOUS = "anonymous"
+ADMIN = "admin"      # the admin key's id: it reads every caller's traces and the engine's steps
 
 
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8")).digest()
-
-
-def key_fingerprint(key: str) -> str:
-    """A short, non-reversible name for a key (``key-1a2b3c4d``), safe for logs and traces.
-
-    It lets an operator see *which* caller a trace belongs to without the trace ever holding
-    a credential. (It is a hash prefix: fine for random keys, not a way to hide weak passwords.)
-    """
-    return "key-" + hashlib.sha256(key.encode("utf-8")).hexdigest()[:8]
 
 
 def _split_keys(values: Iterable[str]) -> list[str]:
@@ -138,16 +130,25 @@ class APIKeyAuth:
     Only SHA-256 digests of the keys are kept, so neither ``repr`` nor a debugger nor a crash
     dump of this object shows a key. With no keys configured the gateway is open (a local
     notebook needs no key) and every caller is ``"anonymous"``.
+
+    A caller is known by a *key id*: ``key-1``, ``key-2``, … in the order the keys were given,
+    and ``admin`` for the optional admin key. The id says nothing about the key itself (an
+    earlier version used a hash prefix, which let anyone who saw it test guesses offline).
     """
 
-    def __init__(self, keys: Iterable[str] | None = None) -> None:
+    def __init__(self, keys: Iterable[str] | None = None, admin_key: str | None = None) -> None:
         keys = list(keys or [])
-        if any(not isinstance(k, str) or not k.strip() for k in keys):
+        if any(not isinstance(k, str) or not k.strip() for k in keys) or (
+                admin_key is not None and (not isinstance(admin_key, str) or not admin_key.strip())):
             # An empty key would make "Authorization: Bearer " valid: refuse to start instead.
             raise ValueError("API keys must be non-empty strings")
-        self._entries: list[tuple[bytes, str]] = []   # (sha256 digest, fingerprint)
-        for k in dict.fromkeys(k.strip() for k in keys):
-            self._entries.append((_digest(k), key_fingerprint(k)))
+        self._entries: list[tuple[bytes, str]] = []   # (sha256 digest, key id)
+        for i, k in enumerate(dict.fromkeys(k.strip() for k in keys), start=1):
+            self._entries.append((_digest(k), f"key-{i}"))
+        if admin_key is not None:
+            if any(d == _digest(admin_key.strip()) for d, _ in self._entries):
+                raise ValueError("the admin key must differ from every API key")
+            self._entries.append((_digest(admin_key.strip()), ADMIN))
 
     @property
     def open(self) -> bool:
@@ -157,6 +158,10 @@ class APIKeyAuth:
     @property
     def key_ids(self) -> list[str]:
         return [kid for _, kid in self._entries]
+
+    @property
+    def has_admin(self) -> bool:
+        return ADMIN in self.key_ids
 
     def check(self, authorization_header: str | None) -> str:
         """Return the caller's key id, or raise 401.
@@ -303,6 +308,48 @@ class RateLimiter:
             self._buckets[key_id] = b
         return b
 
+    def take_request(self, key_id: str) -> None:
+        """Charge one request, before anything costly (tokenizing) is done for it; also refuse
+        at once a caller whose token bucket is empty. Raise 429 charging nothing."""
+        with self._lock:
+            b = self._buckets_for(key_id)
+            if b.tokens is not None and b.tokens.available < 1:
+                wait = b.tokens.try_take(1)
+                raise GatewayError(
+                    429, "rate_limited",
+                    f"Rate limit reached: {self.tokens_per_min:g} tokens per minute are used up. "
+                    f"Retry in {wait:.2f} s.", headers=_retry_after(wait))
+            if b.requests is not None:
+                wait = b.requests.try_take(1)
+                if wait > 0:
+                    raise GatewayError(
+                        429, "rate_limited",
+                        f"Rate limit reached: {self.requests_per_s:g} requests per second "
+                        f"(burst {self.burst:g}). Retry in {wait:.2f} s.", headers=_retry_after(wait))
+
+    def take_tokens(self, key_id: str, n_tokens: int) -> None:
+        """Charge ``n_tokens`` (prompt + effective max_tokens) once the prompt is counted. On a
+        429 the request charged by :meth:`take_request` is given back too."""
+        if self.tokens_per_min is not None and n_tokens > self.tokens_per_min:
+            self.refund(key_id, 0)
+            raise GatewayError(
+                400, "request_too_large",
+                f"This request needs {n_tokens} tokens (prompt + max_tokens) but the rate limit is "
+                f"{self.tokens_per_min:g} tokens per minute, so it can never be served; "
+                f"reduce the prompt or max_tokens.", param="max_tokens")
+        with self._lock:
+            b = self._buckets_for(key_id)
+            if b.tokens is not None:
+                wait = b.tokens.try_take(n_tokens)
+                if wait > 0:
+                    if b.requests is not None:
+                        b.requests.refund(1)      # a rejected request must not use up quota
+                    raise GatewayError(
+                        429, "rate_limited",
+                        f"Rate limit reached: {self.tokens_per_min:g} tokens per minute; this request "
+                        f"needs {n_tokens} tokens (prompt + max_tokens). Retry in {wait:.2f} s.",
+                        headers=_retry_after(wait))
+
     def check(self, key_id: str, n_tokens: int) -> None:
         """Charge one request and ``n_tokens`` tokens to ``key_id``, or raise (charging nothing)."""
         if self.tokens_per_min is not None and n_tokens > self.tokens_per_min:
@@ -377,6 +424,7 @@ class CompletionRequest:
     include_stop_str_in_output: bool = False   # vLLM's: keep the matched stop string in the text
     n: int = 1
     user: str | None = None
+    extra_sampling: dict[str, Any] = field(default_factory=dict)   # logprobs, min_tokens: SamplingParams' names
 
 
 def _is_int(x: Any) -> bool:
@@ -479,6 +527,49 @@ def _parse_stop(body: dict) -> list[str]:
     return list(stop)             # its strings are checked with the other sampling fields
 
 
+def _undecodable_text(body: Any) -> str | None:
+    """The path of the first string that is not valid Unicode text (JSON allows lone surrogate
+    escapes such as "\\ud800", which no tokenizer can encode), or None. Iterative: a deeply
+    nested body cannot blow the stack here."""
+    todo: list[tuple[str, Any]] = [("", body)]
+    while todo:
+        path, v = todo.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "body"
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                todo.append((f"{path}.{k}" if path else str(k), x))
+                todo.append((path or "body", k))
+        elif isinstance(v, list):
+            todo.extend((f"{path}[{i}]", x) for i, x in enumerate(v))
+    return None
+
+
+# OpenAI fields this server does not implement, with the values that mean "not used". A body
+# that sets one to anything else gets a 400 naming it: silently ignoring a penalty or a
+# response_format would return something other than what the client asked for.
+_UNSUPPORTED_UNLESS_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "echo": (False,), "best_of": (1,), "suffix": ("",),
+    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
+    "logit_bias": ({},), "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",),
+    "functions": ([],), "function_call": ("none",), "parallel_tool_calls": (False,),
+    "prompt_logprobs": (0,), "min_p": (0, 0.0), "guided_json": (), "guided_regex": (), "guided_choice": (),
+    "guided_grammar": (), "modalities": (["text"],), "audio": (), "prediction": (),
+}
+
+
+def _check_unsupported(body: dict) -> None:
+    for name, neutral in _UNSUPPORTED_UNLESS_NEUTRAL.items():
+        v = body.get(name)
+        if v is not None and not any(v == n and type(v) is type(n) for n in neutral):
+            raise _invalid(name, f"'{name}' is not supported by this server (got {v!r}); leave it out or "
+                                 f"use its neutral value{'s' if len(neutral) > 1 else ''} "
+                                 f"{', '.join(map(repr, neutral)) or 'null'}."[:300])
+
+
 def parse_completion_body(body: Any, *, chat: bool) -> CompletionRequest:
     """Validate a decoded JSON body; raise 400 ``invalid_request`` naming the bad field.
 
@@ -489,6 +580,10 @@ def parse_completion_body(body: Any, *, chat: bool) -> CompletionRequest:
     """
     if not isinstance(body, dict):
         raise _invalid(None, f"The request body must be a JSON object, got {type(body).__name__}.")
+    bad = _undecodable_text(body)
+    if bad is not None:
+        raise _invalid(bad, f"'{bad}' holds text that is not valid Unicode (a lone surrogate escape?).")
+    _check_unsupported(body)
 
     prompt: str | list[Message] = _parse_messages(body) if chat else _parse_prompt(body)
 
@@ -513,7 +608,28 @@ def parse_completion_body(body: Any, *, chat: bool) -> CompletionRequest:
         include_usage = _get_bool(opts, "include_usage")
 
     return CompletionRequest(prompt=prompt, chat=chat, model=model, stream=stream, include_usage=include_usage,
-                             n=1, user=_get_str(body, "user"), **sampling)
+                             n=1, user=_get_str(body, "user"), extra_sampling=_parse_logprobs_min_tokens(body, chat),
+                             **sampling)
+
+
+def _parse_logprobs_min_tokens(body: dict, chat: bool) -> dict[str, Any]:
+    """``logprobs`` (completions: an integer, the top-N alternatives; chat: a boolean, with
+    ``top_logprobs`` the N) and ``min_tokens`` (vLLM's), as SamplingParams fields."""
+    out: dict[str, Any] = {}
+    if chat:
+        want = _get_bool(body, "logprobs")
+        top = body.get("top_logprobs")
+        if top is not None and not want:
+            raise _invalid("top_logprobs", "'top_logprobs' needs 'logprobs': true.")
+        if want:
+            out["logprobs"] = 0 if top is None else top
+            _check_sampling_field("top_logprobs", "logprobs", out["logprobs"])
+    elif body.get("logprobs") is not None:
+        out["logprobs"] = body["logprobs"]
+        _check_sampling_field("logprobs", "logprobs", out["logprobs"])
+    if body.get("min_tokens") is not None:   # against max_tokens: when SamplingParams is built
+        out["min_tokens"] = _get_int(body, "min_tokens", minimum=0)
+    return out
 
 
 # Body fields that are SamplingParams fields of the same name and meaning (vLLM's extensions
@@ -549,7 +665,10 @@ def _check_sampling_field(key: str, name: str, value: Any) -> None:
 
     One field at a time, on top of the defaults (all valid), so each problem belongs to the
     field that was set; the message is SamplingParams's own."""
-    from minillm.engine.sampling import SamplingParams, sampling_problems   # lazy: it imports torch
+    from minillm.engine.sampling import (  # lazy: it imports torch
+        SamplingParams,
+        sampling_problems,
+    )
     probe = SamplingParams()              # the defaults, all valid...
     setattr(probe, name, value)           # ...with one field set, unchecked: the check is next
     problems = sampling_problems(probe)
@@ -655,11 +774,13 @@ class AdmissionControl:
 @dataclass
 class AdmittedRequest:
     """A request that passed the gateway. ``request.model`` is resolved to a served model;
-    ``max_tokens`` is the effective limit (the client's, or the default that fits)."""
+    ``max_tokens`` is the effective limit (the client's, or the default that fits);
+    ``prompt_ids`` the tokens counted here, which the engine takes as they are (one tokenizer pass)."""
     request: CompletionRequest
     key_id: str
     prompt_tokens: int
     max_tokens: int
+    prompt_ids: list[int] | None = None
     released: bool = False
 
     def sampling_kwargs(self) -> dict[str, Any]:
@@ -667,20 +788,25 @@ class AdmittedRequest:
         r = self.request
         return dict(max_tokens=self.max_tokens, temperature=r.temperature, top_p=r.top_p,
                     top_k=r.top_k, seed=r.seed, stop=list(r.stop), ignore_eos=r.ignore_eos,
-                    include_stop_str_in_output=r.include_stop_str_in_output)
+                    include_stop_str_in_output=r.include_stop_str_in_output, **r.extra_sampling)
 
 
 class Gateway:
     """Runs every gateway check on one request, in order, recording trace events.
 
-    ``count_tokens`` turns a request into its prompt length in tokens (the server passes the
-    tokenizer, with the chat template for chats). ``limiter`` and ``admission`` may be ``None``
-    to switch those stages off; ``auth`` ``None`` means open access.
+    ``tokenize`` turns a request into its prompt's token ids (the server passes the tokenizer,
+    with the chat template for chats). ``limiter`` and ``admission`` may be ``None`` to switch
+    those stages off; ``auth`` ``None`` means open access.
+
+    Two phases, so the server can keep its event loop free (10.1): :meth:`authenticate` (the key
+    and the request rate: microseconds, on the loop, before anything costly is done for a
+    stranger or for a caller over its rate), then :meth:`admit_body` (parse, tokenize, context,
+    token charge, admission: off the loop). :meth:`admit` runs both.
     """
 
     def __init__(self, auth: APIKeyAuth | None, limiter: RateLimiter | None,
                  admission: AdmissionControl | None, served_models: Iterable[str],
-                 max_model_len: int, count_tokens: Callable[[CompletionRequest], int],
+                 max_model_len: int, tokenize: Callable[[CompletionRequest], list[int]],
                  *, max_tokens_cap: int = 256) -> None:
         self.served_models = list(served_models)
         if not self.served_models:
@@ -691,7 +817,7 @@ class Gateway:
         self.limiter = limiter
         self.admission = admission
         self.max_model_len = max_model_len
-        self.count_tokens = count_tokens
+        self.tokenize = tokenize
         self.max_tokens_cap = max_tokens_cap
         self._lock = threading.Lock()
 
@@ -702,35 +828,65 @@ class Gateway:
         The caller must call :meth:`release` when the admitted request finishes, whatever the
         outcome (use ``try/finally``), or the queue slot is lost.
         """
+        key_id = self.authenticate(authorization, trace)
+        return self.admit_body(key_id, body, chat=chat, trace=trace)
+
+    def authenticate(self, authorization: str | None, trace: Trace | None = None) -> str:
+        """Who is calling, and are they within their request rate? Cheapest checks first:
+        nothing else runs for strangers or for callers over their rate."""
         if trace is not None and trace.first("received") is None:
             trace.record("received")
         try:
-            return self._admit(authorization, body, chat, trace)
+            key_id = self.auth.check(authorization)
+            if trace is not None:
+                trace.record("authenticated", key_id=key_id)
+            if self.limiter is not None:
+                self.limiter.take_request(key_id)
+            return key_id
         except GatewayError as e:
             if trace is not None:
                 trace.record("rejected", status=e.status, code=e.code)
             raise
 
-    def _admit(self, authorization: str | None, body: Any, chat: bool, trace: Trace | None) -> AdmittedRequest:
-        # 1. Who is calling? Cheapest check first, and nothing below runs for strangers.
-        key_id = self.auth.check(authorization)
-        if trace is not None:
-            trace.record("authenticated", key_id=key_id)
-        # 2. Is the body well-formed, and for a model we serve?
+    def undo(self, admitted: AdmittedRequest) -> None:
+        """An admitted request that could not start after all (the engine refused it): free its
+        queue place and give back everything it was charged."""
+        self.release(admitted)
+        if self.limiter is not None:
+            self.limiter.refund(admitted.key_id, admitted.prompt_tokens + admitted.max_tokens)
+
+    def refund_request(self, key_id: str) -> None:
+        """Give back the request :meth:`authenticate` charged (the client left before its body)."""
+        if self.limiter is not None:
+            self.limiter.refund(key_id, 0)
+
+    def admit_body(self, key_id: str, body: Any, *, chat: bool, trace: Trace | None = None) -> AdmittedRequest:
+        """The rest, for a caller :meth:`authenticate` let in (its request is charged)."""
+        try:
+            return self._admit_body(key_id, body, chat, trace)
+        except GatewayError as e:
+            if self.limiter is not None and e.code not in ("rate_limited", "request_too_large", "queue_full"):
+                self.limiter.refund(key_id, 0)       # turned away: the request must not use up quota
+                # (those three have given back what they charged already)
+            if trace is not None:
+                trace.record("rejected", status=e.status, code=e.code)
+            raise
+
+    def _admit_body(self, key_id: str, body: Any, chat: bool, trace: Trace | None) -> AdmittedRequest:
+        # 1. Is the body well-formed, and for a model we serve?
         request = parse_completion_body(body, chat=chat)
         request = replace(request, model=check_model(request.model, self.served_models))
-        # 3. Does it fit the context? Needs the prompt length, hence a tokenizer pass.
-        prompt_tokens = int(self.count_tokens(request))
-        if request.max_tokens is None:
-            max_tokens = default_max_tokens(prompt_tokens, self.max_model_len, self.max_tokens_cap)
-        else:
-            max_tokens = request.max_tokens
-            check_context(prompt_tokens, max_tokens, self.max_model_len)
-        # 4. Is this caller within its quota? Charged on the worst case: prompt + max_tokens.
+        # 2. Does it fit the context? Needs the prompt length, hence the one tokenizer pass.
+        ids = list(self.tokenize(request))
+        prompt_tokens = len(ids)
+        if trace is not None:
+            trace.record("tokenized", n_tokens=prompt_tokens)
+        max_tokens = self._effective_max_tokens(request, prompt_tokens)
+        # 3. Is this caller within its token quota? Charged on the worst case: prompt + max_tokens.
         cost = prompt_tokens + max_tokens
         if self.limiter is not None:
-            self.limiter.check(key_id, cost)
-        # 5. Is there room in the queue? Last, so a slot is only held by a request that will run.
+            self.limiter.take_tokens(key_id, cost)
+        # 4. Is there room in the queue? Last, so a slot is only held by a request that will run.
         if self.admission is not None:
             try:
                 self.admission.acquire()
@@ -740,7 +896,20 @@ class Gateway:
                 raise
         if trace is not None:
             trace.record("admitted", prompt_tokens=prompt_tokens, max_tokens=max_tokens)
-        return AdmittedRequest(request, key_id, prompt_tokens, max_tokens)
+        return AdmittedRequest(request, key_id, prompt_tokens, max_tokens, ids)
+
+    def _effective_max_tokens(self, request: CompletionRequest, prompt_tokens: int) -> int:
+        """The client's max_tokens (checked against the context), or a default: what is left of
+        the context, at most ``max_tokens_cap``, and — under a tokens-per-minute limit — at most
+        what a whole minute's quota leaves after the prompt, so a request that did not ask for a
+        length is never refused for a default it did not choose."""
+        if request.max_tokens is not None:
+            check_context(prompt_tokens, request.max_tokens, self.max_model_len)
+            return request.max_tokens
+        n = default_max_tokens(prompt_tokens, self.max_model_len, self.max_tokens_cap)
+        if self.limiter is not None and self.limiter.tokens_per_min is not None:
+            n = max(1, min(n, int(self.limiter.tokens_per_min) - prompt_tokens))
+        return n
 
     def release(self, admitted: AdmittedRequest) -> None:
         """Free the queue slot of a finished request. Calling it twice for one request is a

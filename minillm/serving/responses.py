@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from minillm.measure.trace import Trace
@@ -69,14 +69,15 @@ async def wait_disconnect(receive) -> None:
             return
 
 
-def limit_param(request, cap: int | None = None) -> int | None:
-    """``?limit=N``: a non-negative integer (None when absent), at most ``cap``; else 400."""
-    limit = request.query_params.get("limit")
+def limit_param(request, cap: int | None = None, name: str = "limit") -> int | None:
+    """``?limit=N`` (or ``?<name>=N``): a non-negative integer (None when absent), at most
+    ``cap``; else 400."""
+    limit = request.query_params.get(name)
     if limit is None:
         return None
     if not (limit.isascii() and limit.isdigit()):       # "²".isdigit() is True; int("²") fails
-        raise GatewayError(400, "invalid_request", f"'limit' must be a non-negative integer, got {limit!r}."[:300],
-                           param="limit")
+        raise GatewayError(400, "invalid_request", f"'{name}' must be a non-negative integer, got {limit!r}."[:300],
+                           param=name)
     digits = limit.lstrip("0") or "0"
     n = int(digits) if len(digits) <= 18 else 10 ** 18   # int() refuses over 4300 digits: a 500
     return n if cap is None else min(n, cap)
@@ -106,6 +107,7 @@ class Job:
     done: bool = False             # the engine has let it go (finished, failed): nothing to abort
     closed: bool = False
     n_sent: int = 0
+    pending_logprobs: list = field(default_factory=list)   # tokens not yet on a chunk (empty deltas)
 
     @property
     def request_id(self) -> str:
@@ -128,6 +130,7 @@ class Job:
 
         def finish() -> None:
             self.trace.record("finished", where="server", reason=reason, n_sent=self.n_sent)
+            self.state.release_request_id(self.request_id)
             self.state.remember(self.trace)
 
         if self.done:
@@ -138,13 +141,41 @@ class Job:
             self.state.loop.abort(self.request_id, then=finish)
 
     # -- bodies --------------------------------------------------------------------------
-    def chunk(self, delta: str, finish_reason: str | None, role: bool = False) -> dict[str, Any]:
+    def logprobs_body(self, entries: list) -> dict[str, Any] | None:
+        """OpenAI's logprobs object for ``entries`` (``TokenLogprobs``), or None when the request
+        did not ask. Completions: the legacy parallel lists; chat: one object per token. Token
+        strings are each id decoded alone (as vLLM does); ids the tokenizer lacks: <unk:ID>."""
+        if self.admitted.sampling_kwargs().get("logprobs") is None:
+            return None
+        tok = self.state.tokenizer
+        known = len(tok)
+
+        def text(i: int) -> str:
+            return tok.decode([i]) if i < known else f"<unk:{i}>"
         if self.chat:
-            d: dict[str, Any] = {"role": "assistant", "content": ""} if role else ({"content": delta} if delta else {})
-            choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish_reason}
+            return {"content": [{"token": text(e.token_id), "logprob": e.logprob,
+                                 "bytes": list(text(e.token_id).encode()),
+                                 "top_logprobs": [{"token": text(i), "logprob": lp, "bytes": list(text(i).encode())}
+                                                  for i, lp in e.top]} for e in entries]}
+        tokens = [text(e.token_id) for e in entries]
+        offsets = [sum(map(len, tokens[:k])) for k in range(len(tokens))]   # within these entries
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{text(i): lp for i, lp in e.top} for e in entries], "text_offset": offsets}
+
+    def take_logprobs(self) -> dict[str, Any] | None:
+        entries, self.pending_logprobs = self.pending_logprobs, []
+        return self.logprobs_body(entries) if entries else None
+
+    def chunk(self, delta: str, finish_reason: str | None, role: bool = False) -> dict[str, Any]:
+        lp = self.take_logprobs()
+        if self.chat:
+            # the role rides on the first chunk that carries a token (vLLM's chat client takes TTFT
+            # at the first chunk with choices: a role-only chunk sent before prefill would fake it)
+            d: dict[str, Any] = {"role": "assistant", "content": delta} if role else ({"content": delta} if delta else {})
+            choice = {"index": 0, "delta": d, "logprobs": lp, "finish_reason": finish_reason}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": delta, "logprobs": lp, "finish_reason": finish_reason}
             obj = "text_completion"
         return {"id": self.request_id, "object": obj, "created": self.created,
                 "model": self.admitted.request.model, "choices": [choice]}
@@ -163,10 +194,11 @@ class Job:
         seq = self.seq
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": seq.text},
-                      "logprobs": None, "finish_reason": seq.finish_reason}
+                      "logprobs": self.logprobs_body(seq.logprobs), "finish_reason": seq.finish_reason}
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": seq.text, "logprobs": None, "finish_reason": seq.finish_reason}
+            choice = {"index": 0, "text": seq.text, "logprobs": self.logprobs_body(seq.logprobs),
+                      "finish_reason": seq.finish_reason}
             obj = "text_completion"
         return {"id": self.request_id, "object": obj, "created": self.created,
                 "model": self.admitted.request.model, "choices": [choice],
@@ -183,9 +215,7 @@ async def sse_body(job: Job) -> AsyncIterator[str]:
     queue = job.stream.queue
     reason = "disconnected"         # unless we reach the end
     try:
-        if job.chat:                # OpenAI's first chat chunk carries the role only
-            yield sse_line(job.chunk("", None, role=True))
-            job.sent(0)
+        first = True
         while True:
             item = await queue.get()
             if isinstance(item, Closed):
@@ -198,9 +228,12 @@ async def sse_body(job: Job) -> AsyncIterator[str]:
                 reason = "error"
                 yield sse_line(engine_error(job).to_openai_error())
                 break
+            if getattr(item, "logprobs", None) is not None:
+                job.pending_logprobs.append(item.logprobs)
             if item.delta or item.finished:
-                yield sse_line(job.chunk(item.delta, item.finish_reason if item.finished else None))
+                yield sse_line(job.chunk(item.delta, item.finish_reason if item.finished else None, role=first))
                 job.sent(len(item.delta))
+                first = False
             if item.finished:
                 reason = item.finish_reason
                 if job.admitted.request.include_usage:

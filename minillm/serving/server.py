@@ -34,7 +34,10 @@ The engine's side of the same story, one record per step (its phases' timestamps
 and decode tokens), is at ``GET /v1/steps`` and :meth:`ServingState.steps`.
 
 A client that disconnects aborts its request, and its KV slot is free by the next step: a
-thousand abandoned browser tabs cannot hold the batch hostage.
+thousand abandoned browser tabs cannot hold the batch hostage. Nor can a client that never
+finishes sending its request: its headers must arrive within ``header_timeout_s`` and its body
+within ``body_timeout_s`` (else 408 and the connection is closed; :mod:`minillm.serving.guard`),
+and at most ``max_connections`` connections are served at once (a request on one more gets 503).
 """
 from __future__ import annotations
 
@@ -67,8 +70,21 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _uvicorn_server(app, host: str, port: int, log_level: str, graceful_timeout_s: float):
+def _uvicorn_server(app, host: str, port: int, config: ServerConfig, log_level: str | None = None):
+    """The uvicorn server for ``app``, with the limits of ``config`` on receiving requests.
+
+    * ``header_timeout_s``, ``body_timeout_s``, ``max_header_bytes``: our protocol class
+      (:mod:`minillm.serving.guard`: uvicorn has no deadline for receiving a request).
+    * ``max_connections`` → uvicorn's ``limit_concurrency``, which answers 503 (and closes) a request
+      once ``len(connections) >= limit`` — a count that includes the asking connection, so
+      ``limit_concurrency=N`` serves only N-1 connections at once. We pass ``max_connections + 1``:
+      ``max_connections`` connections are served, a request on one more gets 503.
+    * ``keep_alive_timeout_s`` → uvicorn's ``timeout_keep_alive`` (idle after a response).
+    * ``ws="none"``: the API has no WebSocket route; an Upgrade header is a plain HTTP request.
+    """
     import uvicorn
+
+    from minillm.serving.guard import GuardCounters, guarded_protocol
 
     class _Server(uvicorn.Server):
         async def shutdown(self, sockets=None) -> None:
@@ -77,9 +93,19 @@ def _uvicorn_server(app, host: str, port: int, log_level: str, graceful_timeout_
             await asyncio.to_thread(app.state.minillm.shutdown)
             await super().shutdown(sockets)
 
+    log_level = log_level or config.log_level
+    counters = GuardCounters()
+    protocol = guarded_protocol(config.header_timeout_s, config.body_timeout_s, config.max_header_bytes,
+                                counters=counters)
+    limit = None if config.max_connections is None else config.max_connections + 1
     cfg = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                         timeout_graceful_shutdown=graceful_timeout_s, access_log=log_level == "debug")
-    return _Server(cfg)
+                         timeout_graceful_shutdown=config.graceful_timeout_s, access_log=log_level == "debug",
+                         http=protocol, ws="none", limit_concurrency=limit,
+                         timeout_keep_alive=config.keep_alive_timeout_s,
+                         h11_max_incomplete_event_size=config.max_header_bytes)
+    server = _Server(cfg)
+    server.guard_counters = counters
+    return server
 
 
 class ServerThread:
@@ -93,6 +119,7 @@ class ServerThread:
     Takes a :class:`ServerConfig` (``port=0``: a free port; ``url`` says which one), a
     :class:`ServingState` or an app from :func:`create_app`. ``stop()`` stops the engine thread,
     ends the open streams, lets uvicorn finish and joins its thread: nothing is left running.
+    ``guard_counters`` counts the connections closed for sending their request too slowly.
     """
 
     def __init__(self, app_or_config: Any = None, *, host: str | None = None, port: int | None = None,
@@ -107,8 +134,8 @@ class ServerThread:
         self.config = cfg
         self.host = host or cfg.host
         self._port_asked = cfg.port if port is None else port
-        self._server = _uvicorn_server(self.app, self.host, self._port_asked, log_level or cfg.log_level,
-                                       cfg.graceful_timeout_s)
+        self._server = _uvicorn_server(self.app, self.host, self._port_asked, cfg, log_level)
+        self.guard_counters = self._server.guard_counters   # connections closed by serving/guard.py
         self._thread: threading.Thread | None = None
         self.port: int | None = None
 
@@ -185,5 +212,5 @@ def serve(config: ServerConfig, host: str | None = None, port: int | None = None
     print(f"minillm serving {st.model_name} ({st.llm.device}, max_model_len {st.engine.max_model_len}, "
           f"{st.engine.cache.num_slots} KV slots, {len(st.auth.key_ids)} API key(s)) at http://{host}:{port}/v1",
           file=sys.stderr, flush=True)
-    _uvicorn_server(app, host, port, config.log_level, config.graceful_timeout_s).run()
+    _uvicorn_server(app, host, port, config).run()
     return 0

@@ -2,7 +2,7 @@
 records. ``minillm.serving.app`` puts HTTP in front of it."""
 from __future__ import annotations
 
-import collections
+import json
 import logging
 import threading
 import time
@@ -15,8 +15,11 @@ from minillm.serving.gateway import (
     APIKeyAuth,
     CompletionRequest,
     Gateway,
+    GatewayError,
     RateLimiter,
 )
+from minillm.serving.prom import ServingMetrics
+from minillm.serving.trace_store import ADMIN, TraceStore
 
 log = logging.getLogger(__name__)
 _STEP_COPY_TRIES = 5           # lock-free copies of the step history before taking the engine's lock
@@ -41,41 +44,127 @@ class ServingState:
         self.tokenizer = self.llm.tokenizer
         self.model_name = config.served_model_name or str(config.engine.model)
         self.created = int(time.time())
-        self.auth = APIKeyAuth(config.api_keys)
+        self.auth = APIKeyAuth(config.api_keys, config.admin_key)
         limiter = (RateLimiter(config.requests_per_s, config.tokens_per_min, config.burst)
                    if config.requests_per_s or config.tokens_per_min else None)
         self.gateway = Gateway(self.auth, limiter, AdmissionControl(config.max_queue_depth), [self.model_name],
-                               self.engine.max_model_len, self._count_tokens,
+                               self.engine.max_model_len, self.tokenize,
                                max_tokens_cap=config.max_tokens_cap)
         self.loop = EngineLoop(self.engine)
-        self._traces: collections.deque[Trace] = collections.deque(maxlen=config.trace_history)
-        self._traces_lock = threading.Lock()
+        self.trace_store = TraceStore(config.trace_history, config.trace_store_bytes)
+        self.metrics = ServingMetrics(self.model_name, max_model_len=self.engine.max_model_len)
+        self._ids_in_use: set[str] = set()
+        self._ids_lock = threading.Lock()
 
     # -- prompts -------------------------------------------------------------------------
     def prompt_text(self, req: CompletionRequest) -> str:
         from minillm.engine.tokenizer import apply_chat
         return apply_chat(self.tokenizer, req.prompt) if req.chat else req.prompt
 
-    def _count_tokens(self, req: CompletionRequest) -> int:
-        # The gateway needs the prompt length to check the context *before* queueing (vLLM's
-        # frontend does the same). prepare() tokenizes again: we pay twice (tens of µs for a
-        # chat-sized prompt) so that the trace's `tokenize` stage is the tokenizer's time.
+    def tokenize(self, req: CompletionRequest) -> list[int]:
+        """The prompt's ids, counted once: the gateway needs the length to check the context
+        *before* queueing (vLLM's frontend does the same), and the engine takes these ids as
+        they are. Runs off the event loop (a 1 MiB prompt takes seconds on a small CPU)."""
         from minillm.engine.tokenizer import encode_prompt
-        return len(encode_prompt(self.tokenizer, self.prompt_text(req)))
+        return encode_prompt(self.tokenizer, self.prompt_text(req))
+
+    def admit(self, key_id: str, raw: bytes, chat: bool, trace: Trace):
+        """The part of admission that costs: JSON, validation, tokenizing, the context and the
+        token quota, the queue; then the engine's sequence, built from the ids counted here.
+        Runs in a worker thread. Returns (AdmittedRequest, Sequence) or raises GatewayError
+        (nothing held)."""
+        from minillm.engine.engine import RequestError
+        from minillm.engine.sampling import SamplingParams
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError) as e:
+            self.gateway.refund_request(key_id)
+            raise GatewayError(400, "invalid_request",
+                               f"The request body is not valid JSON ({type(e).__name__}: {e})."[:300]) from None
+        trace.record("body_read", n_bytes=len(raw))
+        admitted = self.gateway.admit_body(key_id, body, chat=chat, trace=trace)
+        try:
+            params = SamplingParams(**admitted.sampling_kwargs())
+            seq = self.engine.prepare(admitted.prompt_ids, params, request_id=trace.request_id, trace=trace)
+            seq.prompt = admitted.request.prompt if isinstance(admitted.request.prompt, str) else None
+        except (RequestError, ValueError) as e:
+            self.gateway.undo(admitted)
+            raise GatewayError(400, "invalid_request", str(e)) from None
+        return admitted, seq
+
+    # -- request ids -----------------------------------------------------------------------
+    def claim_request_id(self, rid: str) -> bool:
+        """Reserve a client-chosen request id; False when a request in flight already has it."""
+        with self._ids_lock:
+            if rid in self._ids_in_use:
+                return False
+            self._ids_in_use.add(rid)
+            return True
+
+    def release_request_id(self, rid: str) -> None:
+        with self._ids_lock:
+            self._ids_in_use.discard(rid)
+
+    # -- tokenizer endpoints -----------------------------------------------------------------
+    def tokenize_body(self, body: dict) -> dict:
+        from minillm.engine.tokenizer import apply_chat, encode_prompt
+        from minillm.serving.gateway import _invalid, _parse_messages, _undecodable_text
+        bad = _undecodable_text(body)
+        if bad is not None:
+            raise _invalid(bad, f"'{bad}' holds text that is not valid Unicode.")
+        if body.get("messages") is not None:
+            text = apply_chat(self.tokenizer, _parse_messages(body))
+        elif isinstance(body.get("prompt"), str):
+            text = body["prompt"]
+        else:
+            raise _invalid("prompt", "Give 'prompt' (a string) or 'messages'.")
+        add = body.get("add_special_tokens", True)
+        if not isinstance(add, bool):
+            raise _invalid("add_special_tokens", "'add_special_tokens' must be a boolean.")
+        ids = encode_prompt(self.tokenizer, text) if add else list(self.tokenizer.encode(text, add_special_tokens=False))
+        return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
+
+    def detokenize_body(self, body: dict) -> dict:
+        from minillm.serving.gateway import _invalid
+        ids = body.get("tokens")
+        vocab = self.engine.config.vocab_size
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise _invalid("tokens", "'tokens' must be a list of token ids (integers).")
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise _invalid("tokens", f"token ids {bad[:5]} are outside the vocabulary [0, {vocab}).")
+        known = len(self.tokenizer)
+        # ids the tokenizer does not know (a shape twin's 128k vocabulary) show as <unk:ID>
+        parts, run = [], []
+        for i in ids:
+            if i < known:
+                run.append(i)
+                continue
+            parts.append(self.tokenizer.decode(run))
+            parts.append(f"<unk:{i}>")
+            run = []
+        parts.append(self.tokenizer.decode(run))
+        return {"prompt": "".join(parts)}
 
     # -- traces --------------------------------------------------------------------------
     def remember(self, trace: Trace) -> None:
-        with self._traces_lock:
-            self._traces.append(trace)
+        """Store a finished trace for the key that sent it (``authenticated``); a request that
+        never showed a valid key is only counted."""
+        auth = trace.first("authenticated")
+        self.trace_store.add(trace, auth.extra.get("key_id") if auth is not None else None)
+        admitted, scheduled = trace.first("admitted"), trace.first("scheduled")
+        if admitted is not None:       # a request the gateway let in: Prometheus counts it (vLLM's names)
+            self.metrics.observe_request(trace, max_tokens=admitted.extra.get("max_tokens"))
+        if scheduled is not None:      # prefix cache: prompt tokens looked up, and found (vLLM counts tokens)
+            self.metrics.add_prefix_cache(int(admitted.extra.get("prompt_tokens", 0)) if admitted else 0,
+                                          int(scheduled.extra.get("cached_tokens", 0)))
 
     def traces(self, request_ids: list[str] | None = None, limit: int | None = None) -> list[Trace]:
-        """Traces of completed (and rejected) requests, oldest first. A trace is stored once its
-        response is complete and is never written to afterwards."""
-        with self._traces_lock:
-            out = list(self._traces)
-        if request_ids:
-            want = set(request_ids)
-            out = [t for t in out if t.request_id in want]
+        """Every caller's stored traces, oldest first (in-process access: a notebook, a test).
+        A trace is stored once its response is complete and is never written to afterwards.
+        Over HTTP, ``GET /v1/traces`` shows a key only its own (:meth:`TraceStore.query`)."""
+        items, _ = self.trace_store.query(ADMIN, request_ids)
+        out = [it.trace for it in items]
         if limit is not None:
             out = out[-limit:] if limit > 0 else []
         return out
@@ -86,9 +175,26 @@ class ServingState:
             raise KeyError(f"no trace for request {request_id!r} (yet): a trace is stored when its response is complete")
         return found[-1]
 
+    def traces_page(self, reader: str, request_ids: list[str] | None, after: int, limit: int) -> dict:
+        """One page of ``reader``'s traces as plain JSON (``next``: the cursor for ``?after=``)."""
+        items, nxt = self.trace_store.query(reader, request_ids, after, limit)
+        return {"object": "list", "next": nxt,
+                "data": [{"request_id": it.trace.request_id, "events": [e.as_dict() for e in it.trace.events]}
+                         for it in items]}
+
     def clear_traces(self) -> None:
-        with self._traces_lock:
-            self._traces.clear()
+        self.trace_store.clear()
+
+    def render_metrics(self) -> tuple[bytes, str]:
+        """``GET /metrics``: the load right now, then every series (Prometheus text format)."""
+        s = self.loop.stats()
+        self.metrics.set_load(s["running"], s["waiting"], 1 - s["free_slots"] / max(1, s["num_slots"]))
+        return self.metrics.render()
+
+    def may_read_steps(self, key_id: str) -> bool:
+        """Step records hold no request content, only counts and times, but they are the whole
+        engine's: the admin key reads them; without an admin key configured, any valid key."""
+        return key_id == ADMIN or not self.auth.has_admin
 
     # -- steps ---------------------------------------------------------------------------
     def steps(self, limit: int | None = None) -> list[dict]:
