@@ -67,7 +67,14 @@ def _is_int(x) -> bool:
 
 
 def _is_num(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    """A finite number. An integer too large for a float (JSON allows 10**400) is not one:
+    ``math.isfinite`` would raise OverflowError on it."""
+    if not isinstance(x, (int, float)) or isinstance(x, bool):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
 
 
 def sampling_problems(p: SamplingParams) -> list[str]:

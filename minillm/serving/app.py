@@ -293,11 +293,15 @@ def create_app(config: ServerConfig | ServingState | None = None, *, llm=None):
             return error_response(engine_error(job), job.request_id)
         return TracedJSONResponse(job, job.final_body())
 
-    @app.post("/v1/completions", openapi_extra=request_body(CompletionBody))
+    # the 200 of a completion is JSON, or server-sent events with `stream: true`
+    streamed = {200: {"content": {"application/json": {}, "text/event-stream": {"schema": {"type": "string"}}},
+                      "description": "a completion (JSON), or with `stream: true` its chunks (server-sent events)"}}
+
+    @app.post("/v1/completions", openapi_extra=request_body(CompletionBody), responses=streamed)
     async def completions(request: Request):
         return await handle(request, chat=False)
 
-    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionBody))
+    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionBody), responses=streamed)
     async def chat_completions(request: Request):
         return await handle(request, chat=True)
 

@@ -60,6 +60,7 @@ class GatewayError(Exception):
 
     def __init__(self, status: int, code: str, message: str, *, param: str | None = None,
                  headers: Mapping[str, str] | None = None, type: str | None = None) -> None:
+        message = message if len(message) <= 500 else message[:497] + "..."   # never echo a huge value back
         super().__init__(message)
         self.status = status
         self.code = code
@@ -683,7 +684,7 @@ def check_model(name: str | None, served: list[str]) -> str:
         return served[0]
     if name not in served:
         raise GatewayError(404, "model_not_found",
-                           f"The model '{name}' does not exist. Available models: {', '.join(served)}.",
+                           f"The model '{name[:100]}' does not exist. Available models: {', '.join(served)}.",
                            param="model")
     return name
 

@@ -200,6 +200,10 @@ class ServingMetrics:
                           LABELNAMES + ("finished_reason",), registry=reg)
         self._success_family = success
         self.request_success = {r: success.labels(*labels, r) for r in FINISH_REASONS}
+        # Not vLLM's: requests the gateway turned away, by code (401s included: a stranger's
+        # request is counted here and never stored as a trace)
+        self._rejected_family = Counter("minillm:rejected_requests", "Requests the gateway rejected, by code.",
+                                        LABELNAMES + ("code",), registry=reg)
         # Histograms of counts
         self.request_prompt_tokens = histogram(
             "vllm:request_prompt_tokens", "Number of prefill tokens processed.", tokens_buckets)
@@ -238,6 +242,9 @@ class ServingMetrics:
         self.decode_time = histogram("vllm:request_decode_time_seconds",
                                      "Histogram of time spent in DECODE phase for request.",
                                      REQUEST_LATENCY_BUCKETS)
+
+    def count_rejected(self, code: str) -> None:
+        self._rejected_family.labels(self.model_name, self.engine, str(code)[:64]).inc()
 
     # -----------------------------------------------------------------------------------------
     def observe_request(self, m: RequestMetrics | Trace, *, max_tokens: int | None = None) -> bool:

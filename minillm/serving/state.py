@@ -89,7 +89,8 @@ class ServingState:
             seq.prompt = admitted.request.prompt if isinstance(admitted.request.prompt, str) else None
         except (RequestError, ValueError) as e:
             self.gateway.undo(admitted)
-            raise GatewayError(400, "invalid_request", str(e)) from None
+            param = "min_tokens" if "min_tokens" in str(e) else None    # the one check that needs max_tokens
+            raise GatewayError(400, "invalid_request", str(e), param=param) from None
         return admitted, seq
 
     # -- request ids -----------------------------------------------------------------------
@@ -118,6 +119,9 @@ class ServingState:
             text = body["prompt"]
         else:
             raise _invalid("prompt", "Give 'prompt' (a string) or 'messages'.")
+        if body.get("model") is not None and body["model"] != self.model_name:
+            from minillm.serving.gateway import check_model
+            check_model(body["model"] if isinstance(body["model"], str) else repr(body["model"]), [self.model_name])
         add = body.get("add_special_tokens", True)
         if not isinstance(add, bool):
             raise _invalid("add_special_tokens", "'add_special_tokens' must be a boolean.")
@@ -150,7 +154,9 @@ class ServingState:
     def remember(self, trace: Trace) -> None:
         """Store a finished trace for the key that sent it (``authenticated``); a request that
         never showed a valid key is only counted."""
-        auth = trace.first("authenticated")
+        auth, rejected = trace.first("authenticated"), trace.last("rejected")
+        if rejected is not None:
+            self.metrics.count_rejected(rejected.extra.get("code", "unknown"))
         self.trace_store.add(trace, auth.extra.get("key_id") if auth is not None else None)
         admitted, scheduled = trace.first("admitted"), trace.first("scheduled")
         if admitted is not None:       # a request the gateway let in: Prometheus counts it (vLLM's names)
