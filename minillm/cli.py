@@ -129,7 +129,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     from minillm.measure.bench import run_decode_benchmark
     rep = run_decode_benchmark(model=a.model, device=a.device, dtype=a.dtype, prompt_tokens=a.prompt_tokens,
                                new_tokens=a.new_tokens, repeats=a.repeats,
-                               compare_transformers=not a.no_transformers)
+                               compare_transformers=not a.no_transformers, enforce_eager=a.enforce_eager)
     print(rep.table())
     if a.json:
         _write_json(a.json, rep.to_dict())
@@ -247,6 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--new-tokens", type=int, default=64)
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--no-transformers", action="store_true", help="skip the transformers side")
+    b.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for minillm's decode (vLLM's name)")
     b.add_argument("--json", default=None, help="also write the report as JSON here")
     b.set_defaults(fn=cmd_bench)
 

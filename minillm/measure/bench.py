@@ -112,9 +112,11 @@ def _transformers_decode_tok_s(hf, prompt_ids: list[int], new_tokens: int, devic
 
 def run_decode_benchmark(model: str = "cpu-small", device: str | None = None, dtype: str | None = None,
                          prompt_tokens: int = 32, new_tokens: int = 64, repeats: int = 3,
-                         compare_transformers: bool = True, copy_bytes: int | None = None) -> BenchReport:
+                         compare_transformers: bool = True, copy_bytes: int | None = None,
+                         enforce_eager: bool = False) -> BenchReport:
+    """``enforce_eager``: no CUDA graphs for the engine's decode (on a CPU nothing changes)."""
     from minillm.engine.llm import LLM
-    llm = LLM(model=model, device=device, dtype=dtype, max_batch_size=1)
+    llm = LLM(model=model, device=device, dtype=dtype, max_batch_size=1, enforce_eager=enforce_eager)
     dev, dt = llm.device, llm.dtype
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(1, llm.model.config.vocab_size, (prompt_tokens,), generator=g).tolist()
