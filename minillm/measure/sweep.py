@@ -219,6 +219,7 @@ def fill_running_batch(engine, batch: int, context: int | list[int], order: list
     instead of minutes. ``order``: the rows' slots are taken in this order (scattered slots)."""
     lens = context if isinstance(context, list) else [context] * batch
     params = SamplingParams(max_tokens=10**9, temperature=0, ignore_eos=True)
+    g = torch.Generator(device=engine.device).manual_seed(batch)
     slots = [engine.allocator.allocate(f"sweep-{batch}-{i}")[0] for i in range(batch)]
     if order is not None:
         slots = [slots[i] for i in order]
@@ -229,10 +230,19 @@ def fill_running_batch(engine, batch: int, context: int | list[int], order: list
         seq = Sequence(rid, None, [1] * L, params, Trace(rid), slot=slot, status=Status.RUNNING,
                        output_ids=[1], num_computed=L)   # the "last sampled" token: next step decodes it
         seq.output = engine.output.new_state([])
+        _fill_kv(engine.cache, slot, L, g)
         engine._seqs[rid] = seq
         engine.scheduler.running.append(seq)
         seqs.append(seq)
     return seqs
+
+
+def _fill_kv(cache, slot: int, length: int, g: torch.Generator) -> None:
+    """Give the pretend-cached positions ordinary values. The pool is allocated empty (never
+    zero-filled), and leftover memory could hold NaNs or denormal floats, which a CPU computes
+    with many times slower: the timing must not depend on what the allocator handed back."""
+    for t in cache.k + cache.v:
+        t[slot, :length].normal_(generator=g)             # on the device, in its dtype
 
 
 def _forward_fn(engine, seqs: list[Sequence], use_graphs: bool):
