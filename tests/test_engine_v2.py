@@ -424,7 +424,7 @@ def test_top_p_one_filters_nothing_even_next_to_a_top_p_row():
     x = torch.randn(3, 2048, generator=g) * 3
     x[2] = 0
     x[2, 5] = 20.0                               # one token takes almost all the mass
-    y = _top_k_top_p_sorted(x, torch.tensor([2048] * 3), torch.tensor([1.0, 0.5, 1.0]))
+    y = _top_k_top_p_sorted(x, torch.tensor([2048] * 3), torch.tensor([1.0, 0.5, 1.0]), 2048)
     assert torch.equal(y[0], x[0]) and torch.equal(y[2], x[2])
     assert torch.isinf(y[1]).any()
 
@@ -638,3 +638,15 @@ def test_only_the_engine_thread_may_step(ckpt):
 def test_max_model_len_that_does_not_fit_is_refused(ckpt):
     with pytest.raises(MemoryError, match="max_model_len=1024 does not fit"):
         make_llm(ckpt[0], max_model_len=1024, kv_memory_fraction=1e-6, max_batch_size=4)
+
+
+def test_top_k_top_p_through_topk_equals_the_full_sort():
+    """When every row has a top-k, only the kmax largest are sorted; the kept logits are the
+    same as through a full sort of the vocabulary."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 3000, generator=g) * 2
+    ks, ps = torch.tensor([5, 50, 7, 200]), torch.tensor([0.9, 0.5, 1.0, 0.95])
+    fast = _top_k_top_p_sorted(x, ks, ps, 200)
+    full = _top_k_top_p_sorted(x, ks, ps, 3000)
+    assert torch.equal(torch.isinf(fast), torch.isinf(full))
+    assert torch.equal(fast[~torch.isinf(fast)], full[~torch.isinf(full)])

@@ -138,7 +138,7 @@ class Sampler:
         ks = [p.top_k if 0 < p.top_k < V else V for p in params]
         tops = [p.top_p for p in params]
         if any(t < 1 for t in tops):
-            x = _top_k_top_p_sorted(x, torch.tensor(ks, device=dev), torch.tensor(tops, device=dev))
+            x = _top_k_top_p_sorted(x, torch.tensor(ks, device=dev), torch.tensor(tops, device=dev), max(ks))
         elif any(k < V for k in ks):
             x = _top_k(x, ks)
         probs = x.softmax(-1)                                                # [R, V]
@@ -161,10 +161,15 @@ def _top_k(x: torch.Tensor, ks: list[int]) -> torch.Tensor:
     return x.masked_fill(x < kth, float("-inf"))
 
 
-def _top_k_top_p_sorted(x: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
-    # x: [R, V]. One sort serves both filters: this sort is top-p's cost (10.5).
-    sorted_x, order = torch.sort(x, dim=-1, descending=True)                 # [R, V]
-    rank = torch.arange(x.shape[-1], device=x.device)[None, :]               # [1, V]
+def _top_k_top_p_sorted(x: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor, kmax: int) -> torch.Tensor:
+    # x: [R, V]. One sort serves both filters: this sort is top-p's cost (10.5). When every row
+    # has a top-k, only the kmax largest need sorting (topk), not the whole vocabulary.
+    V = x.shape[-1]
+    if kmax < V:
+        sorted_x, order = torch.topk(x, kmax, dim=-1)                        # [R, kmax], sorted
+    else:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)             # [R, V]
+    rank = torch.arange(sorted_x.shape[-1], device=x.device)[None, :]        # [1, K]
     sorted_x = sorted_x.masked_fill(rank >= ks[:, None], float("-inf"))      # top-k
     p = sorted_x.softmax(-1)
     before = p.cumsum(-1) - p                                                # mass of the tokens ranked above
@@ -172,7 +177,7 @@ def _top_k_top_p_sorted(x: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor) -> 
     drop[:, 0] = False                                                       # the most likely token always stays
     # (a row with top_p = 1 drops nothing: its cumulative sum can round to 1 before the tail)
     sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-    return torch.empty_like(x).scatter_(-1, order, sorted_x)
+    return torch.full_like(x, float("-inf")).scatter_(-1, order, sorted_x)   # the rest: outside top-k
 
 
 # ---------------------------------------------------------------------------- min_tokens
