@@ -1,0 +1,134 @@
+"""The chapter 10.5 figures, drawn from measured data only (nothing here times anything).
+
+* ``10-5-step-phases``: one bar per case (model, batch), 100 % tall, stacked by the StepRecord
+  phases. The phases outside the forward (schedule, prepare, sample, output) sit at the bottom,
+  so the chapter's "about 30 %" line shows at a glance which case reaches it.
+* ``10-5-sampling-cost``: ms per step against batch, one panel per vocabulary size, one line
+  per method for the engine's batched sampler (solid) and for the per-row loop it replaced
+  (dashed). Horizontal dotted lines mark a decode step's time, when given: sampling matters
+  where its line comes near them.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from minillm.engine.step_record import PHASES
+from minillm.measure.outside_steps import (
+    CHAPTER_OUTSIDE_SHARE,
+    OUTSIDE_PHASES,
+    PHASE_LABELS,
+    PhaseCase,
+)
+
+# bottom to top: outside the forward first, then the forward
+STACK = (*OUTSIDE_PHASES, *[p for p in PHASES if p not in OUTSIDE_PHASES])
+PHASE_COLORS = {"schedule": "tab:purple", "prepare": "tab:olive", "sample": "tab:red", "output": "tab:orange",
+                "forward_issue": "tab:blue", "device": "tab:cyan"}
+METHOD_COLORS = {"greedy": "tab:gray", "temperature": "tab:green", "top-k": "tab:blue", "top-p": "tab:red",
+                 "top-k+top-p": "tab:purple"}
+
+
+def _as_case(c) -> PhaseCase:
+    return c if isinstance(c, PhaseCase) else PhaseCase.from_dict(c)
+
+
+def plot_step_phases(cases, references=None, reference_label: str = "reference", title: str | None = None,
+                     line: float = CHAPTER_OUTSIDE_SHARE):
+    """``cases`` (and ``references``, e.g. a GPU run's): PhaseCase objects or their dicts."""
+    import matplotlib.pyplot as plt
+
+    bars = [(_as_case(c), "") for c in cases] + [(_as_case(c), f"\n({reference_label})") for c in references or []]
+    fig, ax = plt.subplots(figsize=(1.6 * len(bars) + 3.2, 4.8))
+    xs = range(len(bars))
+    bottoms = [0.0] * len(bars)
+    for p in STACK:
+        vals = [c.shares[p] for c, _ in bars]
+        ax.bar(xs, vals, bottom=bottoms, color=PHASE_COLORS[p], width=0.62, label=PHASE_LABELS[p],
+               edgecolor="white", linewidth=0.5)
+        bottoms = [b + v for b, v in zip(bottoms, vals)]
+    for x, (c, _) in zip(xs, bars):
+        o = c.outside_share
+        ax.annotate(f"{100 * o:.0f} %", (x, o), xytext=(0, 3), textcoords="offset points", ha="center",
+                    va="bottom", fontsize=8, color="white" if o < 0.9 else "black", fontweight="bold")
+        ax.text(x, 1.01, f"{c.mean_wall_ms:.3g} ms/step", ha="center", va="bottom", fontsize=8)
+    ax.axhline(line, color="black", ls="--", lw=1.2)
+    ax.text(-0.45, line + 0.005, f"chapter: about {100 * line:.0f} % outside the forward", va="bottom",
+            ha="left", fontsize=8, bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 1})
+    ax.set_xticks(list(xs), [f"{c.label}\n{c.device.split(':')[0]} {c.dtype}{suffix}" for c, suffix in bars],
+                  fontsize=8)
+    ax.set_ylim(0, 1.08)
+    ax.set_ylabel("share of the step's wall time")
+    ax.yaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{100 * v:.0f} %"))
+    handles, labels = ax.get_legend_handles_labels()
+    ax.legend(handles[::-1], labels[::-1], loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8,
+              title="phase (top to bottom)", title_fontsize=8)
+    ax.set_title(title or "Where a decode step's time goes (engine StepRecords, mean over steps)", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def plot_sampling_cost(bench, step_ms: dict[str, float] | None = None, title: str | None = None,
+                       methods: list[str] | None = None):
+    """``bench``: a SamplingBench or its dict. ``step_ms``: {label: ms} of decode steps to mark."""
+    import matplotlib.pyplot as plt
+
+    from minillm.measure.outside_sampling import SamplingBench
+    b = bench if isinstance(bench, SamplingBench) else SamplingBench.from_dict(bench)
+    methods = methods or b.method_names
+    vocabs = b.vocabs
+    fig, axes = plt.subplots(1, len(vocabs), figsize=(5.2 * len(vocabs), 4.4), sharey=True, squeeze=False)
+    for ax, V in zip(axes[0], vocabs):
+        for m in methods:
+            for impl, ls, lw, alpha in (("batched", "-", 1.8, 1.0), ("per-row", "--", 1.1, 0.75)):
+                if impl == "per-row" and m == "greedy":
+                    continue                  # the old code's greedy rows were a batched argmax too
+                pts = [(B, r.ms_median) for B in b.batches if (r := b.get(m, B, V, impl)) is not None]
+                if not pts:
+                    continue
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], ls=ls, lw=lw, alpha=alpha, marker="o", ms=3,
+                        color=METHOD_COLORS.get(m), label=f"{m} ({impl})")
+        for i, (lab, ms) in enumerate((step_ms or {}).items()):
+            ax.axhline(ms, color="black", ls=":", lw=1)
+            ax.text(b.batches[0], ms, f" {lab}", va="bottom", ha="left", fontsize=7)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(b.batches, [str(x) for x in b.batches])
+        ax.set_xlabel("batch (rows sampled per step)")
+        ax.set_title(f"vocabulary {V:,}", fontsize=10)
+        ax.grid(True, which="both", alpha=0.25)
+    axes[0][0].set_ylabel("ms per step (median), logits → ids on the host")
+    handles, labels = axes[0][-1].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
+    fig.suptitle(title or f"Sampling cost per step: batched sampler (solid) vs the per-row loop before it (dashed); "
+                 f"{b.logits_dtype} logits on {b.device}", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def _save(fig, name: str, stamp: str, data: dict, out_dir: str | Path | None) -> list[Path]:
+    import matplotlib.pyplot as plt
+
+    from minillm.measure.sweep import dumps_strict
+    from minillm.plots.figures import save_figure
+    paths = save_figure(fig, name, stamp, out_dir)
+    plt.close(fig)
+    # the figure's data beside it (figures/data/NAME.json), so it can be redrawn and checked
+    d = paths[0].parent / "data" / f"{name}.json"
+    d.parent.mkdir(exist_ok=True)
+    d.write_text(dumps_strict(data))
+    return paths
+
+
+def save_step_phases(cases, stamp: str, references=None, reference_label: str = "reference",
+                     out_dir: str | Path | None = None, name: str = "10-5-step-phases") -> list[Path]:
+    fig = plot_step_phases(cases, references, reference_label)
+    data = {"cases": [_as_case(c).to_dict() for c in cases],
+            "references": [_as_case(c).to_dict() for c in references or []]}
+    return _save(fig, name, stamp, data, out_dir)
+
+
+def save_sampling_cost(bench, stamp: str, step_ms: dict[str, float] | None = None,
+                       out_dir: str | Path | None = None, name: str = "10-5-sampling-cost") -> list[Path]:
+    fig = plot_sampling_cost(bench, step_ms)
+    data = bench.to_dict() if hasattr(bench, "to_dict") else dict(bench)
+    return _save(fig, name, stamp, {"sampling": data, "step_ms": step_ms or {}}, out_dir)
