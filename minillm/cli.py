@@ -210,6 +210,31 @@ def cmd_bench_server(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_serve(a: argparse.Namespace) -> int:
+    import math
+    import os
+    from minillm.measure.bench_serve import BenchConfig, parse_goodput, run_bench
+    cfg = BenchConfig(
+        base_url=a.base_url, endpoint=a.endpoint, api_key=a.api_key or os.environ.get("OPENAI_API_KEY"), model=a.model, num_prompts=a.num_prompts,
+        request_rate=a.request_rate, burstiness=a.burstiness, max_concurrency=a.max_concurrency, seed=a.seed,
+        ignore_eos=a.ignore_eos, dataset_name=a.dataset_name, dataset_path=a.dataset_path,
+        random_input_len=a.random_input_len, random_output_len=a.random_output_len,
+        random_range_ratio=a.random_range_ratio, lognormal_sigma=a.lognormal_sigma, same_prompt=a.same_prompt,
+        warmup=a.warmup, timeout_s=a.request_timeout, goodput=parse_goodput(a.goodput),
+        percentile_metrics=tuple(x.strip() for x in a.percentile_metrics.split(",") if x.strip()),
+        metric_percentiles=tuple(float(x) for x in a.metric_percentiles.split(",") if x.strip()))
+    if a.dataset_name == "lognormal" and a.lognormal_median is not None:
+        cfg.random_input_len = a.lognormal_median
+    if not (cfg.burstiness > 0 and (math.isinf(cfg.request_rate) or cfg.request_rate > 0)):
+        print("error: --request-rate and --burstiness must be > 0", file=sys.stderr)
+        return 2
+    res = run_bench(cfg)
+    print(res.table())
+    if a.save_result:
+        print(f"result: {res.save(a.result_dir or '.', a.result_filename)}")
+    return 0
+
+
 def cmd_doctor(a: argparse.Namespace) -> int:
     from minillm.doctor import main as doctor_main
     return doctor_main([])
@@ -333,6 +358,36 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--torch-threads", type=int, default=None)
     v.add_argument("--json", default=None)
     v.set_defaults(fn=cmd_bench_server)
+
+    bs = sub.add_parser("bench-serve", help="load-test any OpenAI-compatible server: open-loop arrivals, "
+                                            "streamed TTFT/TPOT/ICL/E2E, goodput (vLLM bench serve's flags)")
+    bs.add_argument("--base-url", default="http://127.0.0.1:8000")
+    bs.add_argument("--endpoint", default="/v1/completions", choices=("/v1/completions", "/v1/chat/completions"))
+    bs.add_argument("--api-key", default=None, help="default: $OPENAI_API_KEY")
+    bs.add_argument("--model", default=None, help="default: the first model of GET /v1/models")
+    bs.add_argument("--num-prompts", type=int, default=100)
+    bs.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (inf: all at once)")
+    bs.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape of the gaps (1: Poisson)")
+    bs.add_argument("--max-concurrency", type=int, default=None)
+    bs.add_argument("--seed", type=int, default=0)
+    bs.add_argument("--ignore-eos", action="store_true")
+    bs.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
+    bs.add_argument("--metric-percentiles", default="50,90,99")
+    bs.add_argument("--goodput", nargs="+", default=None, help="SLOs in ms: ttft:MS tpot:MS e2el:MS")
+    bs.add_argument("--save-result", action="store_true")
+    bs.add_argument("--result-dir", default=None)
+    bs.add_argument("--result-filename", default=None)
+    bs.add_argument("--warmup", type=int, default=0, help="requests sent first and excluded")
+    bs.add_argument("--dataset-name", default="random", choices=("random", "lognormal", "jsonl"))
+    bs.add_argument("--dataset-path", default=None, help='a JSONL of {"prompt": ..., "output_len": ...}')
+    bs.add_argument("--random-input-len", type=int, default=128, help="prompt length target (words)")
+    bs.add_argument("--random-output-len", type=int, default=64)
+    bs.add_argument("--random-range-ratio", type=float, default=0.0)
+    bs.add_argument("--lognormal-median", type=int, default=None, help="median prompt length (default: input len)")
+    bs.add_argument("--lognormal-sigma", type=float, default=0.5)
+    bs.add_argument("--same-prompt", action="store_true", help="one prompt repeated (prefix caching demo)")
+    bs.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    bs.set_defaults(fn=cmd_bench_serve)
 
     d = sub.add_parser("doctor", help="check dependencies, the torch build and the devices")
     d.set_defaults(fn=cmd_doctor)
