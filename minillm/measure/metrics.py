@@ -256,7 +256,9 @@ def client_request_metrics(rec: ClientRecord) -> RequestMetrics:
     n_out = sum(n for _, n in deliveries) if rec.completion_tokens is None else int(rec.completion_tokens)
     error = rec.error
     if rec.ok and not visible:
-        error = "never received a non-empty chunk"   # vLLM's rule: no TTFT, so not a success
+        # design.md §2: no text, no TTFT, so not a success (vLLM's client is laxer: any chunk with
+        # `choices`, even an empty one, counts; see minillm/measure/bench_serve.py)
+        error = "never received a non-empty chunk"
     ok = rec.ok and bool(visible)
     ttft = _s(visible[0] - rec.t_sent_ns) if visible else None
     e2e = _s(visible[-1] - rec.t_sent_ns) if visible else None
