@@ -232,6 +232,15 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
     print(res.table())
     if a.save_result:
         print(f"result: {res.save(a.result_dir or '.', a.result_filename)}")
+    if a.report:
+        from minillm.measure.bench_report import BenchReport, MissingReportFields, fetch_server_info
+        rep = BenchReport.from_bench(res, fetch_server_info(cfg), hardware=a.hardware, parallel=a.parallel,
+                                     precision=a.precision)
+        try:
+            print("\n" + rep.render())
+        except MissingReportFields as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     return 0
 
 
@@ -387,6 +396,11 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--lognormal-sigma", type=float, default=0.5)
     bs.add_argument("--same-prompt", action="store_true", help="one prompt repeated (prefix caching demo)")
     bs.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    bs.add_argument("--report", action="store_true",
+                   help="print the complete report (design.md §4); refuses while a required field is missing")
+    bs.add_argument("--hardware", default=None, help="the server's hardware, for the report (minillm serve says it itself)")
+    bs.add_argument("--parallel", default=None, help="the parallel configuration, e.g. 'tp=2', for the report")
+    bs.add_argument("--precision", default=None, help="the model's precision, e.g. bf16, for the report")
     bs.set_defaults(fn=cmd_bench_serve)
 
     d = sub.add_parser("doctor", help="check dependencies, the torch build and the devices")

@@ -39,7 +39,8 @@ KEY = "sk-fuzz-0123456789abcdef"
 MAX_EXAMPLES = 30
 # Every operation of the API. A new route must be added here (test_every_operation_is_fuzzed).
 OPERATIONS = ["GET /health", "GET /v1/models", "GET /v1/models/{model_id}", "POST /tokenize", "POST /detokenize",
-              "GET /v1/traces", "GET /v1/steps", "POST /v1/completions", "POST /v1/chat/completions"]
+              "GET /v1/traces", "GET /v1/steps", "GET /v1/server-info", "POST /v1/completions",
+              "POST /v1/chat/completions"]
 # Operations with a body or parameters to break: the others have nothing a negative example can change.
 NEGATIVE = [op for op in OPERATIONS if op.startswith("POST")]
 

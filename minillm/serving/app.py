@@ -144,6 +144,13 @@ def create_app(config: ServerConfig | ServingState | None = None, *, llm=None):
         return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "minillm",
                 "root": str(state.config.engine.model), "parent": None, "max_model_len": state.engine.max_model_len}
 
+    @app.get("/v1/server-info")
+    async def server_info(request: Request):
+        """The model, precision, hardware, parallel configuration, prefix caching and engine
+        options: what `bench-serve`'s report fills in by itself (chapter 10.6)."""
+        state.auth.check(request.headers.get("authorization"))
+        return await asyncio.to_thread(state.server_info)
+
     @app.get("/v1/models")
     async def models(request: Request):
         state.auth.check(request.headers.get("authorization"))

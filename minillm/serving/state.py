@@ -191,6 +191,17 @@ class ServingState:
     def clear_traces(self) -> None:
         self.trace_store.clear()
 
+    def server_info(self) -> dict:
+        """What a benchmark report needs to know about this server (design.md §4): the model,
+        its precision, the hardware, the parallel configuration, prefix caching, every engine option."""
+        from dataclasses import asdict
+        from minillm.measure.hardware import describe_hardware, dtype_name
+        return {"model": self.model_name, "root": str(self.config.engine.model),
+                "dtype": dtype_name(self.llm.dtype), "device": str(self.llm.device),
+                "hardware": describe_hardware(self.llm.device).summary(), "parallel": "tp=1, pp=1, dp=1",
+                "prefix_caching": self.config.engine.enable_prefix_caching,
+                "engine": asdict(self.config.engine), "max_model_len": self.engine.max_model_len}
+
     def render_metrics(self) -> tuple[bytes, str]:
         """``GET /metrics``: the load right now, then every series (Prometheus text format)."""
         s = self.loop.stats()
