@@ -7,6 +7,8 @@ import math
 
 import matplotlib
 import numpy as np
+import json
+
 import pytest
 
 matplotlib.use("Agg")
@@ -217,6 +219,10 @@ def test_figures_are_written(tmp_path, stall_run, workload_run, tiny_llm):
     for p in p1 + p2:
         assert p.parent == tmp_path and p.stat().st_size > 1000
     assert p1[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the data each figure was drawn from, beside it
+    itl = json.loads((tmp_path / "data" / "10-2-itl-distribution.json").read_text())
+    ttft = json.loads((tmp_path / "data" / "10-2-ttft-breakdown.json").read_text())
+    assert len(itl["traces"]) == len(stall_run.traces) and len(ttft["requests"]) == len(workload_run[1].metrics)
 
 
 def test_itl_figure_marks_the_metrics_mean_and_p99(stall_run):

@@ -1,5 +1,6 @@
 """One helper through which every chapter figure is saved (design.md §5): PNG + SVG in
-``figures/``, named like ``10-3-decode-roofline``, stamped with what it was measured on."""
+``figures/``, named like ``10-3-decode-roofline``, stamped with what it was measured on, and the
+data it was drawn from beside it in ``figures/data/NAME.json``, so it can be redrawn and checked."""
 from __future__ import annotations
 
 import os
@@ -15,9 +16,10 @@ def figures_dir(out_dir: str | Path | None = None) -> Path:
     return d
 
 
-def save_figure(fig, name: str, stamp: str, out_dir: str | Path | None = None) -> list[Path]:
+def save_figure(fig, name: str, stamp: str, out_dir: str | Path | None = None, data=None) -> list[Path]:
     """Stamp ``fig`` (bottom-left, small grey text: hardware, model, dtype, date) and save
-    ``name.png`` and ``name.svg``. Returns the two paths."""
+    ``name.png`` and ``name.svg``; with ``data`` (plain, JSON-able), also ``data/name.json``
+    (strict JSON: infinities as strings). Returns the two image paths."""
     if not name or "/" in name or name.endswith((".png", ".svg")):
         raise ValueError(f"figure name must be a bare slug like '10-3-decode-roofline', got {name!r}")
     # wrapped, so a long command line does not make the saved figure three times wider
@@ -30,4 +32,8 @@ def save_figure(fig, name: str, stamp: str, out_dir: str | Path | None = None) -
     import matplotlib
     with matplotlib.rc_context({"svg.hashsalt": "minillm"}):
         fig.savefig(paths[1], bbox_inches="tight", metadata={"Date": None})
+    if data is not None:
+        from minillm.measure.sweep import dumps_strict
+        (d / "data").mkdir(exist_ok=True)
+        (d / "data" / f"{name}.json").write_text(dumps_strict(data))
     return paths

@@ -254,8 +254,10 @@ def save_request_timeline(single: Any, concurrent: Iterable[Any], stamp: str, ou
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
     from minillm.plots.figures import save_figure
+    concurrent = list(concurrent)
     fig = request_timeline_figure(single, concurrent)
+    data = {"single": as_trace(single).to_records(), "concurrent": [as_trace(t).to_records() for t in concurrent]}
     try:
-        return save_figure(fig, name, stamp, out_dir)
+        return save_figure(fig, name, stamp, out_dir, data=data)
     finally:
         plt.close(fig)

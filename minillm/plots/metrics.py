@@ -124,20 +124,23 @@ def plot_ttft_breakdown(metrics: Sequence[RequestMetrics], percentiles: Sequence
 
 
 # ---------------------------------------------------------------------------------------------
-def _save(fig, name: str, stamp: str, out_dir: str | Path | None) -> list[Path]:
+def _save(fig, name: str, stamp: str, out_dir: str | Path | None, data) -> list[Path]:
     import matplotlib.pyplot as plt
 
     from minillm.plots.figures import save_figure
-    paths = save_figure(fig, name, stamp, out_dir)
+    paths = save_figure(fig, name, stamp, out_dir, data=data)
     plt.close(fig)
     return paths
 
 
 def save_itl_distribution(traces: Sequence[Trace], stamp: str, out_dir: str | Path | None = None,
                           name: str = "10-2-itl-distribution", title: str | None = None) -> list[Path]:
-    return _save(plot_itl_distribution(traces, title), name, stamp, out_dir)
+    data = {"traces": [t.to_records() for t in traces]}          # every event the figure was drawn from
+    return _save(plot_itl_distribution(traces, title), name, stamp, out_dir, data)
 
 
 def save_ttft_breakdown(metrics: Sequence[RequestMetrics], stamp: str, out_dir: str | Path | None = None,
                         name: str = "10-2-ttft-breakdown", title: str | None = None) -> list[Path]:
-    return _save(plot_ttft_breakdown(metrics, title=title), name, stamp, out_dir)
+    from dataclasses import asdict
+    data = {"requests": [asdict(m) for m in metrics]}
+    return _save(plot_ttft_breakdown(metrics, title=title), name, stamp, out_dir, data)

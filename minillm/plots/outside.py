@@ -108,14 +108,9 @@ def plot_sampling_cost(bench, step_ms: dict[str, float] | None = None, title: st
 def _save(fig, name: str, stamp: str, data: dict, out_dir: str | Path | None) -> list[Path]:
     import matplotlib.pyplot as plt
 
-    from minillm.measure.sweep import dumps_strict
     from minillm.plots.figures import save_figure
-    paths = save_figure(fig, name, stamp, out_dir)
+    paths = save_figure(fig, name, stamp, out_dir, data=data)
     plt.close(fig)
-    # the figure's data beside it (figures/data/NAME.json), so it can be redrawn and checked
-    d = paths[0].parent / "data" / f"{name}.json"
-    d.parent.mkdir(exist_ok=True)
-    d.write_text(dumps_strict(data))
     return paths
 
 

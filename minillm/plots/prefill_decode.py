@@ -224,13 +224,9 @@ def stamp_of(result: dict) -> str:
 def _save(fig, name: str, stamp: str, data: dict, out_dir) -> list[Path]:
     import matplotlib.pyplot as plt
 
-    from minillm.measure.sweep import dumps_strict
     from minillm.plots.figures import save_figure
-    paths = save_figure(fig, name, stamp, out_dir)
+    paths = save_figure(fig, name, stamp, out_dir, data=data)
     plt.close(fig)
-    p = paths[0].parent / "data" / f"{name}.json"      # the figure's own data, to redraw and check it
-    p.parent.mkdir(exist_ok=True)
-    p.write_text(dumps_strict(data))
     return paths
 
 

@@ -58,7 +58,7 @@ def plot_roofline(result: dict, references: list[dict] | None = None, ax=None):
     served = [b for b in ok if b.get("served_aggregate_tok_s")]
     if served:   # the same engine step as serving runs it: mixed lengths, scattered slots (a gather)
         ax.plot([b["batch"] for b in served], [b["served_aggregate_tok_s"] for b in served], "^:", color="tab:green",
-                ms=5, label=f"served: engine step, lengths L/2–3L/2, scattered slots (aggregate)")
+                ms=5, label="served: engine step, lengths L/2–3L/2, scattered slots (aggregate)")
     for b in result["batches"]:
         if b["status"] != "ok":
             ax.annotate(b["status"][:12], (b["batch"], flat), fontsize=7, color="tab:red", rotation=90)
@@ -96,11 +96,6 @@ def save_roofline_figure(result: dict, references: list[dict] | None = None,
     import matplotlib.pyplot as plt
     from minillm.plots.figures import save_figure
     fig = plot_roofline(result, references)
-    paths = save_figure(fig, name, stamp_of(result), out_dir)
+    paths = save_figure(fig, name, stamp_of(result), out_dir, data=result)
     plt.close(fig)
-    # the figure's own data beside it (figures/data/NAME.json), so it can be redrawn and checked
-    data = paths[0].parent / "data" / f"{name}.json"
-    data.parent.mkdir(exist_ok=True)
-    from minillm.measure.sweep import dumps_strict
-    data.write_text(dumps_strict(result))
     return paths
