@@ -620,21 +620,8 @@ async def arun_bench(cfg: BenchConfig, transport=None, schedule: Sequence[float]
 def run_bench(cfg: BenchConfig, transport=None, schedule: Sequence[float] | None = None) -> BenchResult:
     """:func:`arun_bench` from synchronous code (a fresh event loop in a helper thread, so it
     works inside Jupyter too)."""
-    import threading
-    out: list[Any] = []
-
-    def target() -> None:
-        try:
-            out.append(asyncio.run(arun_bench(cfg, transport, schedule)))
-        except BaseException as e:       # re-raised in the caller's thread
-            out.append(e)
-
-    t = threading.Thread(target=target, name="minillm-bench-serve")
-    t.start()
-    t.join()
-    if isinstance(out[0], BaseException):
-        raise out[0]
-    return out[0]
+    from minillm.measure.http_overhead import run_in_fresh_loop
+    return run_in_fresh_loop(lambda: arun_bench(cfg, transport, schedule), "minillm-bench-serve")
 
 
 def parse_goodput(items: Sequence[str] | None) -> dict[str, float]:

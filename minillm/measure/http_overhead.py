@@ -198,15 +198,22 @@ def run_concurrent(base_url: str, bodies: list[dict[str, Any]], api_key: str | N
                    timeout_s: float = 300.0) -> list[StreamResult]:
     """:func:`arun_concurrent` from synchronous code — also inside Jupyter, whose own event loop
     is already running (the client gets a fresh loop in a helper thread)."""
+    return run_in_fresh_loop(lambda: arun_concurrent(base_url, bodies, api_key, chat, stop_after, timeout_s),
+                             "minillm-client")
+
+
+def run_in_fresh_loop(make_coroutine, name: str):
+    """Run ``make_coroutine()`` to completion on a fresh event loop in a helper thread and return
+    its result (or raise its exception here). Works where a loop already runs, e.g. Jupyter."""
     out: list[Any] = []
 
     def target() -> None:
         try:
-            out.append(asyncio.run(arun_concurrent(base_url, bodies, api_key, chat, stop_after, timeout_s)))
+            out.append(asyncio.run(make_coroutine()))
         except BaseException as e:      # re-raised in the caller's thread
             out.append(e)
 
-    t = threading.Thread(target=target, name="minillm-client")
+    t = threading.Thread(target=target, name=name)
     t.start()
     t.join()
     if isinstance(out[0], BaseException):

@@ -168,33 +168,28 @@ class SamplingBench:
 
     def table(self, impl: str = "batched") -> str:
         """ms per step (median) for ``impl``: one block per vocabulary, methods as columns."""
-        methods = self.method_names
-        out = [f"sampling cost per step ({impl}), ms (median of {self.repeats}); logits {self.logits_dtype} "
-               f"on {self.hardware}"]
-        for V in self.vocabs:
-            out.append(f"\nvocabulary {V}")
-            out.append(f"{'batch':>6}" + "".join(f"{m:>14}" for m in methods))
-            for B in self.batches:
-                cells = []
-                for m in methods:
-                    r = self.get(m, B, V, impl)
-                    cells.append(f"{r.ms_median:>14.3f}" if r else f"{'-':>14}")
-                out.append(f"{B:>6}" + "".join(cells))
-        return "\n".join(out)
+        def cell(m: str, B: int, V: int) -> str:
+            r = self.get(m, B, V, impl)
+            return f"{r.ms_median:>14.3f}" if r else f"{'-':>14}"
+        title = (f"sampling cost per step ({impl}), ms (median of {self.repeats}); logits {self.logits_dtype} "
+                 f"on {self.hardware}")
+        return self._grid(title, self.method_names, cell)
 
     def speedup_table(self) -> str:
         """per-row ÷ batched at every setting both measured."""
-        methods = [m for m in self.method_names if m != "greedy"]
-        out = ["the per-row loop (before) ÷ the batched sampler (the engine's), same settings"]
+        def cell(m: str, B: int, V: int) -> str:
+            a, b = self.get(m, B, V, "per-row"), self.get(m, B, V, "batched")
+            return f"{a.ms_median / b.ms_median:>13.1f}×" if a and b and b.ms_median > 0 else f"{'-':>14}"
+        title = "the per-row loop (before) ÷ the batched sampler (the engine's), same settings"
+        return self._grid(title, [m for m in self.method_names if m != "greedy"], cell)
+
+    def _grid(self, title: str, methods: list[str], cell) -> str:
+        """One block per vocabulary: a row per batch, a column per method."""
+        out = [title]
         for V in self.vocabs:
             out.append(f"\nvocabulary {V}")
             out.append(f"{'batch':>6}" + "".join(f"{m:>14}" for m in methods))
-            for B in self.batches:
-                cells = []
-                for m in methods:
-                    a, b = self.get(m, B, V, "per-row"), self.get(m, B, V, "batched")
-                    cells.append(f"{a.ms_median / b.ms_median:>13.1f}×" if a and b and b.ms_median > 0 else f"{'-':>14}")
-                out.append(f"{B:>6}" + "".join(cells))
+            out.extend(f"{B:>6}" + "".join(cell(m, B, V) for m in methods) for B in self.batches)
         return "\n".join(out)
 
 
