@@ -222,12 +222,15 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
         random_range_ratio=a.random_range_ratio, lognormal_sigma=a.lognormal_sigma, same_prompt=a.same_prompt,
         warmup=a.warmup, timeout_s=a.request_timeout, goodput=parse_goodput(a.goodput),
         percentile_metrics=tuple(x.strip() for x in a.percentile_metrics.split(",") if x.strip()),
-        metric_percentiles=tuple(float(x) for x in a.metric_percentiles.split(",") if x.strip()))
+        metric_percentiles=tuple(float(x) for x in a.metric_percentiles.split(",") if x.strip()),
+        tokenizer=a.tokenizer, sharegpt_output_len=a.sharegpt_output_len, progress=not a.disable_tqdm)
     if a.dataset_name == "lognormal" and a.lognormal_median is not None:
         cfg.random_input_len = a.lognormal_median
     if not (cfg.burstiness > 0 and (math.isinf(cfg.request_rate) or cfg.request_rate > 0)):
         print("error: --request-rate and --burstiness must be > 0", file=sys.stderr)
         return 2
+    if a.sweep_rate or a.sweep_concurrency:
+        return _bench_serve_sweep(cfg, a)
     res = run_bench(cfg)
     print(res.table())
     if a.save_result:
@@ -241,6 +244,43 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
         except MissingReportFields as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+    return 0
+
+
+def _floats(text: str, flag: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} takes a comma-separated list of numbers, got {text!r}") from None
+
+
+def _bench_serve_sweep(cfg, a: argparse.Namespace) -> int:
+    """``--sweep-rate 1,2,4`` / ``--sweep-concurrency 1,4,16``: one run per point, one JSON per
+    point (with ``--save-result``), and one combined table (printed, and saved as JSON)."""
+    import json
+    import time
+    from pathlib import Path
+
+    from minillm.measure.bench_serve import run_bench, sweep_configs, sweep_row, sweep_table
+    rates = _floats(a.sweep_rate, "--sweep-rate") if a.sweep_rate else None
+    concs = [int(c) for c in _floats(a.sweep_concurrency, "--sweep-concurrency")] if a.sweep_concurrency else None
+    configs = sweep_configs(cfg, rates, concs)
+    rows = []
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for i, c in enumerate(configs):
+        res = run_bench(c)
+        rows.append(sweep_row(res))
+        print(f"point {i + 1}/{len(configs)}: rate {c.request_rate:g}, max concurrency {c.max_concurrency or '-'}: "
+              f"{res.n_ok} ok, {res.n_failed} failed")
+        if a.save_result:
+            print(f"  result: {res.save(a.result_dir or '.', f'bench-serve-sweep-{stamp}-point{i}.json')}")
+    print(sweep_table(rows))
+    if a.save_result:
+        d = Path(a.result_dir or ".")
+        p = d / (a.result_filename or f"bench-serve-sweep-{stamp}.json")
+        p.write_text(json.dumps({"tool": "minillm bench-serve sweep", "points": rows},
+                                indent=1, default=lambda x: str(x)), encoding="utf-8")
+        print(f"sweep: {p}")
     return 0
 
 
@@ -387,8 +427,17 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--result-dir", default=None)
     bs.add_argument("--result-filename", default=None)
     bs.add_argument("--warmup", type=int, default=0, help="requests sent first and excluded")
-    bs.add_argument("--dataset-name", default="random", choices=("random", "lognormal", "jsonl"))
-    bs.add_argument("--dataset-path", default=None, help='a JSONL of {"prompt": ..., "output_len": ...}')
+    bs.add_argument("--dataset-name", default="random", choices=("random", "lognormal", "jsonl", "sharegpt"))
+    bs.add_argument("--dataset-path", default=None, help='jsonl: {"prompt": ..., "output_len": ...} per line; '
+                                                         'sharegpt: a ShareGPT JSON (default: the small file minillm ships)')
+    bs.add_argument("--sharegpt-output-len", type=int, default=None, help="override the replies' lengths")
+    bs.add_argument("--tokenizer", default=None,
+                    help="count tokens with this tokenizer (a directory, 'default', or a cached hub id): exact "
+                         "random prompt lengths, ShareGPT reply lengths, and counts when the server sends no usage")
+    bs.add_argument("--sweep-rate", default=None, help="comma-separated request rates: one run per rate")
+    bs.add_argument("--sweep-concurrency", default=None,
+                    help="comma-separated concurrencies: one closed-loop run (rate inf) per value")
+    bs.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     bs.add_argument("--random-input-len", type=int, default=128, help="prompt length target (words)")
     bs.add_argument("--random-output-len", type=int, default=64)
     bs.add_argument("--random-range-ratio", type=float, default=0.0)

@@ -459,3 +459,109 @@ def test_lognormal_lengths_have_a_right_tail():
     ins = np.array([r.input_len for r in reqs])
     assert abs(np.median(ins) - 50) <= 5 and ins.mean() > np.median(ins) and ins.min() >= 1
     assert all(len(r.prompt.split()) == r.input_len for r in reqs[:50])
+
+
+# ---- datasets, tokenizer counts, progress, sweeps (issue 11, stage 3) -----------------------
+
+def test_sharegpt_shipped_file_and_tokenizer_counts():
+    from minillm.engine.tokenizer import load_tokenizer
+    from minillm.measure.bench_serve import SHAREGPT_DEFAULT, count_tokens
+    conv = json.loads(SHAREGPT_DEFAULT.read_text(encoding="utf-8"))
+    assert len(conv) >= 20
+    reqs = sample_requests(40, "sharegpt", seed=3)                     # cycles past the file's length
+    assert len(reqs) == 40 and {r.prompt for r in reqs} <= {c["conversations"][0]["value"] for c in conv}
+    assert sample_requests(40, "sharegpt", seed=3) == reqs             # deterministic per seed
+    tok = load_tokenizer("default")
+    counted = sample_requests(5, "sharegpt", seed=3, tokenizer=tok)
+    replies = {c["conversations"][0]["value"]: c["conversations"][1]["value"] for c in conv}
+    for r in counted:
+        assert r.input_len == count_tokens(tok, r.prompt)
+        assert r.output_len == max(1, count_tokens(tok, replies[r.prompt]))
+    lens = [r.output_len for r in sample_requests(28, "sharegpt", seed=0, tokenizer=tok)]
+    assert max(lens) > 10 * min(lens)                                  # uneven, as real chat is
+    assert all(r.output_len == 7 for r in sample_requests(4, "sharegpt", sharegpt_output_len=7))
+
+
+def test_sharegpt_bad_files_are_clear_errors(tmp_path):
+    p = tmp_path / "s.json"
+    p.write_text('{"not": "a list"}')
+    with pytest.raises(ValueError, match="JSON list"):
+        sample_requests(2, "sharegpt", dataset_path=str(p))
+    p.write_text('[{"conversations": [{"from": "gpt", "value": "no human turn"}]}]')
+    with pytest.raises(ValueError, match="no human"):
+        sample_requests(2, "sharegpt", dataset_path=str(p))
+    with pytest.raises(ValueError, match="cannot read"):
+        sample_requests(2, "sharegpt", dataset_path=str(tmp_path / "missing.json"))
+
+
+def test_random_prompts_have_exact_token_lengths_with_a_tokenizer(server):
+    res = run_bench(_cfg(server.url, num_prompts=6, random_input_len=24, random_range_ratio=0.0,
+                         tokenizer="default", max_concurrency=3))
+    assert len(res.records) == 6 and all(r.status == 200 and r.usage for r in res.records)
+    # (a random tiny model may stream only empty text for a request: that one fails, as in vLLM)
+    # the server (same shipped BPE) processed the target, plus its BOS; a re-encoding at the cut
+    # may merge a token, never add words
+    for r in res.records:
+        assert r.input_len == 24
+        assert 23 <= r.usage["prompt_tokens"] <= 25, r.usage
+
+
+def test_tokenizer_counts_a_server_without_usage():
+    from starlette.applications import Starlette
+    from starlette.responses import StreamingResponse
+    from starlette.routing import Route
+
+    async def gen():
+        for piece in (" the queue", " is", " long"):          # several tokens in one chunk, no usage
+            yield 'data: ' + json.dumps({"choices": [{"index": 0, "text": piece}]}) + "\n\n"
+        yield "data: [DONE]\n\n"
+
+    async def completions(request):
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
+    cfg = BenchConfig(base_url="http://asgi", model="m", num_prompts=2, random_input_len=5, random_output_len=8)
+    without = run_bench(cfg, transport=httpx.ASGITransport(app=app))
+    assert without.summary.output_tokens == 2 * 3                 # one per chunk: an undercount
+    from dataclasses import replace
+
+    from minillm.engine.tokenizer import load_tokenizer
+    from minillm.measure.bench_serve import count_tokens
+    counted = run_bench(replace(cfg, tokenizer="default"), transport=httpx.ASGITransport(app=app))
+    n = count_tokens(load_tokenizer("default"), " the queue is long")
+    assert n > 3 and counted.summary.output_tokens == 2 * n
+
+
+def test_progress_bar_and_sweep(server, capsys):
+    from minillm.measure.bench_serve import run_sweep, sweep_configs, sweep_row, sweep_table
+    res = run_sweep(_cfg(server.url, num_prompts=4, progress=True), concurrencies=[1, 3])
+    assert [r.config.max_concurrency for r in res] == [1, 3]
+    assert all(math.isinf(r.config.request_rate) and r.n_ok == 4 for r in res)
+    rows = [sweep_row(r) for r in res]
+    assert all(r["achieved_rate"] > 0 and r["ttft_p99_ms"] >= r["ttft_p50_ms"] > 0 for r in rows)
+    table = sweep_table(rows)
+    assert table.count("\n") == 2 and "achieved/s" in table
+    assert "requests" in capsys.readouterr().err                   # tqdm's bar went to stderr
+    cfgs = sweep_configs(_cfg(server.url, max_concurrency=2), rates=[1, 2.5])
+    assert [c.request_rate for c in cfgs] == [1, 2.5] and all(c.max_concurrency == 2 for c in cfgs)
+    with pytest.raises(ValueError, match="one of"):
+        sweep_configs(_cfg(server.url), rates=[1], concurrencies=[2])
+    with pytest.raises(ValueError, match="> 0"):
+        sweep_configs(_cfg(server.url), rates=[0])
+
+
+def test_cli_sweep_writes_one_json_per_point_and_a_table(server, tmp_path, capsys):
+    from minillm.cli import main
+    rc = main(["bench-serve", "--base-url", server.url, "--api-key", KEY, "--num-prompts", "3",
+               "--random-input-len", "8", "--random-output-len", "4", "--ignore-eos", "--sweep-rate", "50,100",
+               "--save-result", "--result-dir", str(tmp_path), "--disable-tqdm"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    points = sorted(tmp_path.glob("*-point*.json"))
+    assert len(points) == 2
+    assert [json.loads(p.read_text())["config"]["request_rate"] for p in points] == [50.0, 100.0]
+    sweep = [p for p in tmp_path.glob("bench-serve-sweep-*.json") if "point" not in p.name]
+    assert len(sweep) == 1 and len(json.loads(sweep[0].read_text())["points"]) == 2
+    assert "offered/s" in out and "achieved/s" in out
+    assert main(["bench-serve", "--base-url", server.url, "--sweep-rate", "1,x"]) == 2
+    assert "comma-separated" in capsys.readouterr().err

@@ -218,7 +218,7 @@ _WORDS = ["the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "was"
 class BenchRequest:
     prompt: str
     output_len: int
-    input_len: int                 # the target, in words (the server's usage says tokens)
+    input_len: int                 # the target: tokens with --tokenizer, else words (usage says what was processed)
 
 
 def _prompt(rng: np.random.Generator, n_words: int, unique: bool) -> str:
@@ -237,27 +237,90 @@ def range_bounds(length: int, range_ratio: float) -> tuple[int, int]:
     return max(1, math.floor(length * (1 - range_ratio))), max(1, math.ceil(length * (1 + range_ratio)))
 
 
+SHAREGPT_DEFAULT = Path(__file__).resolve().parents[1] / "assets" / "prompts" / "sharegpt_minillm.json"
+DATASETS = ("random", "lognormal", "jsonl", "sharegpt")
+
+
+def load_count_tokenizer(name: str | None):
+    """The tokenizer ``--tokenizer`` names (a local directory, ``default`` for minillm's shipped
+    BPE, or a hub id already in the local cache), or None. It only *counts* tokens: exact prompt
+    lengths for ``random``, output lengths for ``sharegpt``, and the counts of a server that sends
+    no ``usage``."""
+    if not name:
+        return None
+    from minillm.engine.tokenizer import load_tokenizer
+    return load_tokenizer(name)
+
+
+def count_tokens(tokenizer, text: str) -> int:
+    return len(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _sharegpt_rows(path: str | Path, tokenizer, output_len: int | None) -> list[BenchRequest]:
+    """ShareGPT's format, as vLLM reads it: a JSON list of ``{"conversations": [{"from": "human",
+    "value": ...}, {"from": "gpt", "value": ...}, ...]}``; the first human turn is the prompt and
+    the reply after it sets the output length (its token count with ``--tokenizer``, else its word
+    count, a target, or ``--sharegpt-output-len``). Unlike vLLM, short turns are kept (vLLM drops
+    prompts or replies under 4 tokens): "hi" and "ok thanks" are real traffic too."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read the ShareGPT file {path}: {e}") from None
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: a ShareGPT file is a JSON list of conversations")
+    rows = []
+    for conv in data:
+        turns = (conv.get("conversations") or conv.get("conversation") or []) if isinstance(conv, dict) else []
+        for a, b in zip(turns, turns[1:]):
+            if isinstance(a, dict) and isinstance(b, dict) and a.get("from") == "human" and b.get("from") == "gpt" \
+                    and isinstance(a.get("value"), str) and isinstance(b.get("value"), str) and a["value"].strip():
+                n_in = count_tokens(tokenizer, a["value"]) if tokenizer else len(a["value"].split())
+                n_out = output_len or (count_tokens(tokenizer, b["value"]) if tokenizer else len(b["value"].split()))
+                rows.append(BenchRequest(a["value"], max(1, n_out), n_in))
+                break
+    if not rows:
+        raise ValueError(f"{path} holds no human → gpt turn")
+    return rows
+
+
+def _jsonl_rows(path: str, tokenizer) -> list[BenchRequest]:
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for ln, line in enumerate(f, 1):
+            if line.strip():
+                d = json.loads(line)
+                if not isinstance(d, dict) or not isinstance(d.get("prompt"), str) or not int(d.get("output_len", 0)) >= 1:
+                    raise ValueError(f"{path}:{ln}: need {{'prompt': str, 'output_len': int ≥ 1}}")
+                n_in = count_tokens(tokenizer, d["prompt"]) if tokenizer else len(d["prompt"].split())
+                rows.append(BenchRequest(d["prompt"], int(d["output_len"]), n_in))
+    if not rows:
+        raise ValueError(f"{path} holds no requests")
+    return rows
+
+
+def _trim_to_tokens(tokenizer, prompt: str, n: int) -> str:
+    """The prompt cut to exactly its first ``n`` tokens (re-encoding may merge a token or two at
+    the cut; the server's usage says what it really processed)."""
+    ids = tokenizer.encode(prompt, add_special_tokens=False)[:n]
+    return tokenizer.decode(ids)
+
+
 def sample_requests(n: int, dataset: str = "random", input_len: int = 128, output_len: int = 64,
                     range_ratio: float = 0.0, lognormal_sigma: float = 0.5, dataset_path: str | None = None,
-                    same_prompt: bool = False, seed: int = 0) -> list[BenchRequest]:
-    """``n`` requests: prompts and output lengths from the chosen dataset (deterministic per seed)."""
+                    same_prompt: bool = False, seed: int = 0, tokenizer=None,
+                    sharegpt_output_len: int | None = None) -> list[BenchRequest]:
+    """``n`` requests: prompts and output lengths from the chosen dataset (deterministic per seed).
+    File datasets are shuffled with the seed and cycled when they hold fewer than ``n``."""
     if n < 0:
         raise ValueError(f"--num-prompts must be ≥ 0, got {n}")
     rng = np.random.default_rng(seed)
-    if dataset == "jsonl":
-        if not dataset_path:
+    if dataset in ("jsonl", "sharegpt"):
+        if dataset == "jsonl" and not dataset_path:
             raise ValueError("--dataset-name jsonl needs --dataset-path")
-        rows = []
-        with open(dataset_path, encoding="utf-8") as f:
-            for ln, line in enumerate(f, 1):
-                if line.strip():
-                    d = json.loads(line)
-                    if not isinstance(d.get("prompt"), str) or not int(d.get("output_len", 0)) >= 1:
-                        raise ValueError(f"{dataset_path}:{ln}: need {{'prompt': str, 'output_len': int ≥ 1}}")
-                    rows.append(BenchRequest(d["prompt"], int(d["output_len"]), len(d["prompt"].split())))
-        if not rows:
-            raise ValueError(f"{dataset_path} holds no requests")
-        reqs = [rows[i % len(rows)] for i in range(n)]
+        rows = _jsonl_rows(dataset_path, tokenizer) if dataset == "jsonl" else \
+            _sharegpt_rows(dataset_path or SHAREGPT_DEFAULT, tokenizer, sharegpt_output_len)
+        order = rng.permutation(len(rows)) if dataset == "sharegpt" else np.arange(len(rows))
+        reqs = [rows[order[i % len(rows)]] for i in range(n)]
         return [BenchRequest(reqs[0].prompt, r.output_len, reqs[0].input_len) for r in reqs] if same_prompt else reqs
     if dataset == "random":
         in_d, out_d = LengthDist.uniform(*range_bounds(input_len, range_ratio)), \
@@ -266,12 +329,17 @@ def sample_requests(n: int, dataset: str = "random", input_len: int = 128, outpu
         in_d = LengthDist.lognormal(input_len, lognormal_sigma, 1, max(1, 8 * input_len))
         out_d = LengthDist.lognormal(output_len, lognormal_sigma, 1, max(1, 8 * output_len))
     else:
-        raise ValueError(f"--dataset-name must be random, lognormal or jsonl, got {dataset!r}")
+        raise ValueError(f"--dataset-name must be one of {', '.join(DATASETS)}, got {dataset!r}")
     ins, outs = in_d.sample(n, rng), out_d.sample(n, rng)               # [n], [n]
+
+    def make(n_in: int, unique: bool) -> str:
+        p = _prompt(rng, n_in, unique)
+        return _trim_to_tokens(tokenizer, p, n_in) if tokenizer else p
+
     if same_prompt and n:
-        p = _prompt(rng, int(ins[0]), unique=False)
+        p = make(int(ins[0]), unique=False)
         return [BenchRequest(p, int(o), int(ins[0])) for o in outs]
-    return [BenchRequest(_prompt(rng, int(i), unique=True), int(o), int(i)) for i, o in zip(ins, outs)]
+    return [BenchRequest(make(int(i), unique=True), int(o), int(i)) for i, o in zip(ins, outs)]
 
 
 def arrival_schedule(n: int, request_rate: float = math.inf, burstiness: float = 1.0, seed: int = 0) -> list[float]:
@@ -312,6 +380,9 @@ class BenchConfig:
     goodput: dict[str, float] = field(default_factory=dict)      # metric → ms
     percentile_metrics: tuple[str, ...] = METRICS
     metric_percentiles: tuple[float, ...] = (50, 90, 99)
+    tokenizer: str | None = None                # counts tokens (see load_count_tokenizer)
+    sharegpt_output_len: int | None = None
+    progress: bool = False                      # a progress bar on stderr (the CLI turns it on)
 
     @property
     def chat(self) -> bool:
@@ -575,9 +646,10 @@ async def arun_bench(cfg: BenchConfig, transport=None, schedule: Sequence[float]
     if unknown:
         raise ValueError(f"--percentile-metrics takes {', '.join(METRICS)}, got {sorted(unknown)}")
     slo = cfg.slo()
+    tok = load_count_tokenizer(cfg.tokenizer)
     reqs = sample_requests(cfg.num_prompts + cfg.warmup, cfg.dataset_name, cfg.random_input_len,
                            cfg.random_output_len, cfg.random_range_ratio, cfg.lognormal_sigma, cfg.dataset_path,
-                           cfg.same_prompt, cfg.seed)
+                           cfg.same_prompt, cfg.seed, tok, cfg.sharegpt_output_len)
     warm, reqs = reqs[:cfg.warmup], reqs[cfg.warmup:]
     sched = list(schedule) if schedule is not None else \
         arrival_schedule(len(reqs), cfg.request_rate, cfg.burstiness, cfg.seed)
@@ -591,12 +663,17 @@ async def arun_bench(cfg: BenchConfig, transport=None, schedule: Sequence[float]
         model = cfg.model or await first_model(client, cfg.base_url, cfg.api_key)
         sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
         tag = os.urandom(3).hex()
+        bar = _progress_bar(len(reqs) + len(warm)) if cfg.progress else None
 
         async def limited(i: int, req: BenchRequest, rid: str, sched_s: float) -> RequestRecord:
             if sem is None:
-                return await send_one(client, cfg, model, req, rid, i, sched_s)
-            async with sem:
-                return await send_one(client, cfg, model, req, rid, i, sched_s)
+                rec = await send_one(client, cfg, model, req, rid, i, sched_s)
+            else:
+                async with sem:
+                    rec = await send_one(client, cfg, model, req, rid, i, sched_s)
+            if bar is not None:
+                bar.update(1)
+            return rec
 
         warm_recs = list(await asyncio.gather(*(limited(i, r, f"warmup-{tag}-{i}", 0.0)
                                                  for i, r in enumerate(warm))))
@@ -609,12 +686,34 @@ async def arun_bench(cfg: BenchConfig, transport=None, schedule: Sequence[float]
                 await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(limited(i, req, f"bench-{tag}-{i:05d}", due)))
         records = list(await asyncio.gather(*tasks))
+    if bar is not None:
+        bar.close()
     for r in records:
         r.send_lag_s = (r.record.t_sent_ns - t0_ns) / 1e9 - r.scheduled_s
+    if tok is not None:
+        _count_without_usage(records, reqs, tok)
     summary = summarize([client_request_metrics(r.record) for r in records], slo=slo)
     pct = percentile_table([client_request_metrics(r.record) for r in records], cfg.percentile_metrics,
                            cfg.metric_percentiles)
     return BenchResult(cfg, model, records, warm_recs, summary, pct, started)
+
+
+def _progress_bar(total: int):
+    """tqdm on stderr (as vLLM's client), or None when tqdm is not installed."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc="requests", unit="req", leave=False)
+
+
+def _count_without_usage(records: Sequence[RequestRecord], reqs: Sequence[BenchRequest], tok) -> None:
+    """A server that sends no ``usage``: count with the user's tokenizer (vLLM's fallback too).
+    For chat the server's template adds tokens the client cannot see; the count is the content's."""
+    for r, q in zip(records, reqs):
+        if r.usage is None and r.record.ok:
+            r.record.completion_tokens = count_tokens(tok, r.output_text)
+            r.record.prompt_tokens = count_tokens(tok, q.prompt)
 
 
 def run_bench(cfg: BenchConfig, transport=None, schedule: Sequence[float] | None = None) -> BenchResult:
@@ -639,3 +738,56 @@ def parse_goodput(items: Sequence[str] | None) -> dict[str, float]:
             raise ValueError(f"--goodput {it!r}: the limit must be > 0 ms")
         out[k] = ms
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Sweeps: several load points in one command
+def sweep_configs(cfg: BenchConfig, rates: Sequence[float] | None = None,
+                  concurrencies: Sequence[int] | None = None) -> list[BenchConfig]:
+    """One config per point: ``rates`` (open loop, each with the base ``--max-concurrency``) or
+    ``concurrencies`` (closed loop: rate inf, at most C in flight)."""
+    from dataclasses import replace
+    if bool(rates) == bool(concurrencies):
+        raise ValueError("give one of --sweep-rate or --sweep-concurrency")
+    if rates:
+        bad = [r for r in rates if not r > 0]
+        if bad:
+            raise ValueError(f"--sweep-rate takes rates > 0 (or inf), got {bad}")
+        return [replace(cfg, request_rate=float(r)) for r in rates]
+    bad = [c for c in concurrencies if c < 1]
+    if bad:
+        raise ValueError(f"--sweep-concurrency takes concurrencies ≥ 1, got {bad}")
+    return [replace(cfg, request_rate=math.inf, max_concurrency=int(c)) for c in concurrencies]
+
+
+def sweep_row(res: BenchResult) -> dict[str, Any]:
+    """One point of a sweep: the offered load beside what was achieved (so an overloaded server
+    or client is seen), then the percentiles that matter."""
+    s, c = res.summary, res.config
+    ms = lambda x: None if x is None or (isinstance(x, float) and math.isnan(x)) else x * 1e3
+    return {"offered_rate": c.request_rate, "max_concurrency": c.max_concurrency,
+            "achieved_rate": s.requests_s, "n_ok": s.n_ok, "n_failed": s.n_failed,
+            "input_tok_s": s.input_tok_s, "output_tok_s": s.output_tok_s,
+            "ttft_p50_ms": ms(s.ttft.p50), "ttft_p99_ms": ms(s.ttft.p99), "tpot_p50_ms": ms(s.tpot.p50),
+            "itl_p99_ms": ms(s.itl.p99), "e2e_p99_ms": ms(s.e2e.p99), "send_lag_max_ms": res.max_send_lag_ms}
+
+
+def sweep_table(rows: Sequence[dict[str, Any]]) -> str:
+    cols = [("offered_rate", "offered/s", "{}"), ("max_concurrency", "conc", "{}"), ("achieved_rate", "achieved/s", "{:.2f}"),
+            ("n_ok", "ok", "{}"), ("n_failed", "failed", "{}"), ("output_tok_s", "out tok/s", "{:.1f}"),
+            ("ttft_p50_ms", "TTFT p50", "{:.1f}"), ("ttft_p99_ms", "TTFT p99", "{:.1f}"),
+            ("tpot_p50_ms", "TPOT p50", "{:.1f}"), ("itl_p99_ms", "ICL p99", "{:.1f}"), ("e2e_p99_ms", "E2E p99", "{:.1f}")]
+
+    def cell(v, f):
+        if v is None or (isinstance(v, float) and math.isnan(v)):
+            return "-"
+        return "inf" if isinstance(v, float) and math.isinf(v) else f.format(v)
+    lines = ["".join(f"{h:>11}" for _, h, _ in cols) + "   (latencies in ms)"]
+    lines += ["".join(f"{cell(r[k], f):>11}" for k, _, f in cols) for r in rows]
+    return "\n".join(lines)
+
+
+def run_sweep(cfg: BenchConfig, rates: Sequence[float] | None = None,
+              concurrencies: Sequence[int] | None = None) -> list[BenchResult]:
+    """Each point in turn, against the same server (never two at once: they would share it)."""
+    return [run_bench(c) for c in sweep_configs(cfg, rates, concurrencies)]
