@@ -244,6 +244,13 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
         except MissingReportFields as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+        if a.report_json:
+            _write_json(a.report_json, {**rep.to_dict(), "summary": res.summary.to_dict()})
+        if a.report_figure:
+            from minillm.plots.honest import plot_report, report_data, save
+            stamp = f"bench-serve → {cfg.base_url} · {rep.hardware} · {res.started}"
+            print("figure: " + ", ".join(str(p) for p in save(plot_report(res, rep), "10-6-report", stamp,
+                                                                report_data(res, rep), a.report_figure)))
     return 0
 
 
@@ -450,6 +457,9 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--hardware", default=None, help="the server's hardware, for the report (minillm serve says it itself)")
     bs.add_argument("--parallel", default=None, help="the parallel configuration, e.g. 'tp=2', for the report")
     bs.add_argument("--precision", default=None, help="the model's precision, e.g. bf16, for the report")
+    bs.add_argument("--report-json", default=None, help="with --report: also write it as JSON here")
+    bs.add_argument("--report-figure", default=None, metavar="DIR",
+                    help="with --report: also draw it on one page, DIR/10-6-report.png/.svg (+ data/10-6-report.json)")
     bs.set_defaults(fn=cmd_bench_serve)
 
     d = sub.add_parser("doctor", help="check dependencies, the torch build and the devices")

@@ -1,5 +1,7 @@
 """The complete report (design.md §4): it refuses to render while a required field is missing,
 naming each one, and fills what the run and `minillm serve`'s /v1/server-info know."""
+import json
+
 import httpx
 import pytest
 
@@ -43,7 +45,7 @@ def test_missing_counts_and_percentiles_are_named():
     assert len(REQUIRED) == 11
 
 
-def test_from_a_minillm_run_only_what_the_server_cannot_say_is_missing(capsys):
+def test_from_a_minillm_run_only_what_the_server_cannot_say_is_missing(capsys, tmp_path):
     srv = ServerThread(ServerConfig(model="tiny", device="cpu", dtype="fp32", port=0, api_keys=[KEY],
                                     max_model_len=256, enable_prefix_caching=False)).start()
     try:
@@ -65,9 +67,19 @@ def test_from_a_minillm_run_only_what_the_server_cannot_say_is_missing(capsys):
         from minillm.cli import main                  # the CLI prints it, all fields known
         capsys.readouterr()
         rc = main(["bench-serve", "--base-url", srv.url, "--api-key", KEY, "--num-prompts", "4",
-                   "--random-input-len", "8", "--random-output-len", "4", "--ignore-eos", "--report"])
+                   "--random-input-len", "8", "--random-output-len", "4", "--ignore-eos", "--report",
+                   "--report-json", str(tmp_path / "report.json"), "--report-figure", str(tmp_path / "fig"),
+                   "--disable-tqdm"])
         out = capsys.readouterr()
         assert rc == 0, out.err
         assert "prefix caching off" in out.out and "parallel tp=1" in out.out and "fp32" in out.out
+        saved = json.loads((tmp_path / "report.json").read_text())
+        assert saved["missing"] == [] and saved["precision"] == "fp32" and saved["summary"]["n_ok"] >= 1
+        assert (tmp_path / "fig" / "10-6-report.png").exists() and (tmp_path / "fig" / "data" / "10-6-report.json").exists()
+        # a report that cannot render writes nothing: no JSON, no figure
+        bare = BenchReport.from_bench(res, {})
+        from minillm.plots.honest import plot_report
+        with pytest.raises(MissingReportFields, match="hardware"):
+            plot_report(res, bare)
     finally:
         srv.stop()
