@@ -291,6 +291,15 @@ def _bench_serve_sweep(cfg, a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_client(a: argparse.Namespace) -> int:
+    from minillm.measure.client_overhead import measure_client_overhead
+    res = measure_client_overhead(a.num_prompts, a.max_concurrency, a.rounds, a.wrk_duration)
+    print(res.table())
+    if a.json:
+        _write_json(a.json, res.to_dict())
+    return 0
+
+
 def cmd_doctor(a: argparse.Namespace) -> int:
     from minillm.doctor import main as doctor_main
     return doctor_main([])
@@ -461,6 +470,15 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--report-figure", default=None, metavar="DIR",
                     help="with --report: also draw it on one page, DIR/10-6-report.png/.svg (+ data/10-6-report.json)")
     bs.set_defaults(fn=cmd_bench_serve)
+
+    bc = sub.add_parser("bench-client", help="requests/s bench-serve itself can issue, against a stub server "
+                                             "that answers instantly (beside wrk against the same stub)")
+    bc.add_argument("--num-prompts", type=int, default=2000)
+    bc.add_argument("--max-concurrency", type=int, default=64)
+    bc.add_argument("--rounds", type=int, default=3)
+    bc.add_argument("--wrk-duration", type=float, default=5.0, help="seconds of wrk per round")
+    bc.add_argument("--json", default=None)
+    bc.set_defaults(fn=cmd_bench_client)
 
     d = sub.add_parser("doctor", help="check dependencies, the torch build and the devices")
     d.set_defaults(fn=cmd_doctor)
