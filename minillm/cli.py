@@ -300,6 +300,23 @@ def cmd_bench_client(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_deceptions(a: argparse.Namespace) -> int:
+    from minillm.measure.deceptions import run_benchmark
+    from minillm.measure.hardware import describe_hardware
+    out = run_benchmark(a.model, a.num_prompts, a.input_len, a.output_len, a.concurrency, a.rate_fraction,
+                        a.base_url, a.api_key)
+    where = a.base_url or f"minillm serve --model {a.model} (own process) on {describe_hardware('cpu').summary()}"
+    print(f"the four self-deceptions of 10.6, against {where}\n"
+          f"service rate {out['service_rate_rps']:.2f} req/s (closed loop); open-loop runs at "
+          f"{out['open_loop_rate_rps']:.2f} req/s; {a.num_prompts} requests per run, input {a.input_len}, "
+          f"output {a.output_len} tokens\n")
+    for p in out["pairs"]:
+        print(p.table() + "\n")
+    if a.json:
+        _write_json(a.json, {**out, "pairs": [p.to_dict() for p in out["pairs"]]})
+    return 0
+
+
 def cmd_doctor(a: argparse.Namespace) -> int:
     from minillm.doctor import main as doctor_main
     return doctor_main([])
@@ -479,6 +496,20 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--wrk-duration", type=float, default=5.0, help="seconds of wrk per round")
     bc.add_argument("--json", default=None)
     bc.set_defaults(fn=cmd_bench_client)
+
+    bd = sub.add_parser("bench-deceptions", help="10.6's four self-deceptions, each beside its honest twin, "
+                                                 "against a fresh minillm serve (or --base-url)")
+    bd.add_argument("--model", default="cpu-small")
+    bd.add_argument("--base-url", default=None, help="a running server instead (cold vs warm then needs it fresh)")
+    bd.add_argument("--api-key", default=None)
+    bd.add_argument("--num-prompts", type=int, default=40)
+    bd.add_argument("--input-len", type=int, default=256)
+    bd.add_argument("--output-len", type=int, default=32)
+    bd.add_argument("--concurrency", type=int, default=8,
+                    help="closed-loop concurrency (8, as the service-rate run: the closed loop then runs at saturation)")
+    bd.add_argument("--rate-fraction", type=float, default=0.7, help="open-loop rate, as a fraction of the service rate")
+    bd.add_argument("--json", default=None)
+    bd.set_defaults(fn=cmd_bench_deceptions)
 
     d = sub.add_parser("doctor", help="check dependencies, the torch build and the devices")
     d.set_defaults(fn=cmd_doctor)

@@ -98,7 +98,13 @@ def test_unique_prompts_and_same_prompt():
     assert len(set(firsts)) == 50                    # no two share even a first word
     same = sample_requests(50, input_len=20, output_len=5, range_ratio=0.5, seed=3, same_prompt=True)
     assert len({r.prompt for r in same}) == 1
-    assert sample_requests(5, seed=1)[0].prompt == sample_requests(5, seed=1)[0].prompt
+    assert sample_requests(5, seed=1, nonce=7)[0].prompt == sample_requests(5, seed=1, nonce=7)[0].prompt
+    # a fresh nonce each run: same seed, same lengths and words, but a new unique prefix, so a second
+    # run against the same server finds nothing of the first in its prefix cache
+    a, b = sample_requests(5, seed=1), sample_requests(5, seed=1)
+    assert [r.input_len for r in a] == [r.input_len for r in b]
+    assert [r.prompt.split()[1:] for r in a] == [r.prompt.split()[1:] for r in b]
+    assert all(x.prompt.split()[0] != y.prompt.split()[0] for x, y in zip(a, b))
     assert range_bounds(100, 0.25) == (75, 125)
     outs = [r.output_len for r in sample_requests(400, input_len=10, output_len=100, range_ratio=0.25, seed=0)]
     assert min(outs) >= 75 and max(outs) <= 125 and max(outs) - min(outs) > 30

@@ -131,3 +131,17 @@ def test_figures_draw_from_the_pairs(server, tmp_path):
                           {"achieved_rate": 3.5, "ttft_p99_ms": 25, "max_concurrency": 4})
     honest.save(honest.plot_latency_vs_rate(sweep, slo_ms=1000), "10-6-latency-vs-rate", "test", sweep.to_dict(), tmp_path)
     assert (tmp_path / "10-6-latency-vs-rate.svg").exists()
+
+
+def test_bench_deceptions_command_runs_all_four_pairs(tmp_path, capsys):
+    from minillm.cli import main
+    rc = main(["bench-deceptions", "--model", "tiny", "--num-prompts", "4", "--input-len", "40", "--output-len", "4",
+               "--concurrency", "2", "--json", str(tmp_path / "d.json")])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    d = json.loads((tmp_path / "d.json").read_text())
+    assert [p["name"] for p in d["pairs"]] == ["cold vs warm", "fixed length vs lognormal",
+                                              "closed loop vs open loop", "repeated prompt vs unique prompts"]
+    assert d["pairs"][0]["extra"]["server_was_fresh"] is True         # a server of its own, fresh
+    assert d["pairs"][3]["numbers"]["cached_prompt_tokens"][1] == 0   # unique: nothing from earlier runs
+    assert d["service_rate_rps"] > 0 and "deceptive" in out

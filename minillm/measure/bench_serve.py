@@ -223,10 +223,10 @@ class BenchRequest:
     input_len: int                 # the target: tokens with --tokenizer, else words (usage says what was processed)
 
 
-def _prompt(rng: np.random.Generator, n_words: int, unique: bool) -> str:
+def _prompt(rng: np.random.Generator, n_words: int, unique: bool, prefix_rng: np.random.Generator) -> str:
     words = [_WORDS[i] for i in rng.integers(0, len(_WORDS), size=max(n_words - 1 if unique else n_words, 0))]
     if unique:   # a random prefix: no two prompts share even their first token
-        words.insert(0, "".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), size=8)))
+        words.insert(0, "".join(prefix_rng.choice(list("abcdefghijklmnopqrstuvwxyz"), size=8)))
     return " ".join(words)
 
 
@@ -310,12 +310,19 @@ def _trim_to_tokens(tokenizer, prompt: str, n: int) -> str:
 def sample_requests(n: int, dataset: str = "random", input_len: int = 128, output_len: int = 64,
                     range_ratio: float = 0.0, lognormal_sigma: float = 0.5, dataset_path: str | None = None,
                     same_prompt: bool = False, seed: int = 0, tokenizer=None,
-                    sharegpt_output_len: int | None = None) -> list[BenchRequest]:
-    """``n`` requests: prompts and output lengths from the chosen dataset (deterministic per seed).
-    File datasets are shuffled with the seed and cycled when they hold fewer than ``n``."""
+                    sharegpt_output_len: int | None = None, nonce: int | None = None) -> list[BenchRequest]:
+    """``n`` requests: prompts and output lengths from the chosen dataset (lengths and words
+    deterministic per seed). File datasets are shuffled with the seed and cycled when they hold
+    fewer than ``n``.
+
+    Unique prompts start with a random prefix drawn from ``nonce`` as well as the seed, and the
+    nonce is fresh each run unless given: a second run with the same ``--seed`` against the same
+    server must not find the first run's prompts in its prefix cache (that would be the fourth
+    self-deception of 10.6, by accident). File prompts repeat across runs, as in vLLM's client."""
     if n < 0:
         raise ValueError(f"--num-prompts must be ≥ 0, got {n}")
     rng = np.random.default_rng(seed)
+    prefix_rng = np.random.default_rng([seed, nonce if nonce is not None else int.from_bytes(os.urandom(8), "little")])
     if dataset in ("jsonl", "sharegpt"):
         if dataset == "jsonl" and not dataset_path:
             raise ValueError("--dataset-name jsonl needs --dataset-path")
@@ -335,7 +342,7 @@ def sample_requests(n: int, dataset: str = "random", input_len: int = 128, outpu
     ins, outs = in_d.sample(n, rng), out_d.sample(n, rng)               # [n], [n]
 
     def make(n_in: int, unique: bool) -> str:
-        p = _prompt(rng, n_in, unique)
+        p = _prompt(rng, n_in, unique, prefix_rng)
         return _trim_to_tokens(tokenizer, p, n_in) if tokenizer else p
 
     if same_prompt and n:
