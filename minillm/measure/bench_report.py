@@ -108,12 +108,16 @@ def _number(x: Any) -> bool:
 
 
 def _lengths(c, which: str) -> str:
-    if c.dataset_name == "jsonl":
-        return f"from {c.dataset_path}"
+    """How the run drew its lengths, in the unit it drew them in (tokens with a tokenizer or for
+    outputs, whose max_tokens the server counts; else words, a target)."""
+    if c.dataset_name in ("jsonl", "sharegpt"):
+        return f"from {c.dataset_path or 'the ShareGPT file minillm ships'} ({c.dataset_name})"
     n = c.random_input_len if which == "input" else c.random_output_len
-    if c.dataset_name == "lognormal" and which == "input":
-        return f"lognormal, median {n} words, sigma {c.lognormal_sigma}"
-    unit = "words" if which == "input" else "tokens (max_tokens)"
+    unit = "tokens" if which == "output" or c.tokenizer else "words"
+    if which == "output":
+        unit += " (max_tokens" + (", EOS ignored)" if c.ignore_eos else ")")
+    if c.dataset_name == "lognormal":
+        return f"lognormal, median {n} {unit}, sigma {c.lognormal_sigma}"
     if c.random_range_ratio:
         return f"uniform {n} ± {c.random_range_ratio:.0%} {unit}"
     return f"fixed {n} {unit}"

@@ -34,8 +34,10 @@ def _cdf(ax, values_s, color: str, label: str) -> None:
                     xytext=(2, 0), textcoords="offset points", va="bottom")
 
 
-def plot_pair(pair, metric: str = "ttft", title: str | None = None):
-    """CDFs of ``metric`` (ttft, tpot, itl, e2el) for both variants of a DeceptionPair."""
+def plot_pair(pair, metric: str = "ttft", title: str | None = None, caption: str | None = None):
+    """CDFs of ``metric`` (ttft, tpot, itl, e2el) for both variants of a DeceptionPair. ``caption``
+    (default: the pair's lesson) is printed under the plot; pass one computed from the numbers when
+    this run's numbers say something else, or "" for none."""
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7.2, 4.2))
     for res, color, label in ((pair.deceptive, DECEPTIVE, f"deceptive: {pair.deceptive_label}"),
@@ -47,7 +49,9 @@ def plot_pair(pair, metric: str = "ttft", title: str | None = None):
     ax.set_ylim(0, 1.02)
     ax.legend(fontsize=8, loc="lower right")
     ax.set_title(title or pair.name, fontsize=10)
-    ax.text(0.0, -0.2, pair.lesson, transform=ax.transAxes, fontsize=8, wrap=True, va="top")
+    text = pair.lesson if caption is None else caption
+    if text:
+        ax.text(0.0, -0.2, text, transform=ax.transAxes, fontsize=8, wrap=True, va="top")
     fig.tight_layout()
     return fig
 
@@ -62,7 +66,10 @@ def plot_cold_warm(pair, title: str | None = None):
         ys = [client_request_metrics(r.record).ttft_s for r in recs]
         xs = [i for i, y in enumerate(ys) if y is not None]
         ax.plot(xs, [ys[i] * 1e3 for i in xs], "o-", color=color, ms=4, label=label)
+    from matplotlib.ticker import MaxNLocator, ScalarFormatter
     ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("request, in the order sent")
     ax.set_ylabel("TTFT (ms, log scale)")
     ax.legend(fontsize=8)
@@ -89,8 +96,8 @@ def plot_latency_vs_rate(sweep, title: str | None = None, slo_ms: float | None =
         ax.plot([c["achieved_rate"]], [c["ttft_p99_ms"]], "*", ms=16, color=DECEPTIVE,
                 label=f"closed loop ({c['max_concurrency']} in flight): TTFT p99 at the rate it achieved")
     ax.axvline(d["service_rate"], color="0.5", ls="--", lw=1)
-    ax.text(d["service_rate"], ax.get_ylim()[1] * 0.9 if ax.get_yscale() == "linear" else 1,
-            " measured service rate", fontsize=7, color="0.4")
+    ax.text(d["service_rate"], 0.98, " measured service rate", transform=ax.get_xaxis_transform(), fontsize=7,
+            color="0.4", va="top")
     if slo_ms:
         ax.axhline(slo_ms, color="black", ls=":", lw=1)
     ax.set_yscale("log")
