@@ -511,6 +511,9 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--json", default=None)
     bd.set_defaults(fn=cmd_bench_deceptions)
 
+    from minillm.measure.diagnose import add_diagnose_parser
+    add_diagnose_parser(sub)
+
     d = sub.add_parser("doctor", help="check dependencies, the torch build and the devices")
     d.set_defaults(fn=cmd_doctor)
     return ap
