@@ -32,6 +32,7 @@ _ENGINE_HELP = {
     "scheduling_policy": "chunked (decodes and prefill chunks share each step) or prefill-first",
     "enable_prefix_caching": "reuse a finished request's K/V for a later prompt with the same prefix",
     "enforce_eager": "never capture CUDA graphs",
+    "compile": "torch.compile the decode step (Inductor; eager is the default and the reference)",
     "sync_timing": "synchronise the device before stamping traces (timestamps = work done)",
     "step_history": "StepRecords the engine keeps (GET /v1/steps)",
 }
@@ -126,10 +127,18 @@ def _write_json(path: str, data: dict) -> None:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    from minillm.measure.bench import run_decode_benchmark
-    rep = run_decode_benchmark(model=a.model, device=a.device, dtype=a.dtype, prompt_tokens=a.prompt_tokens,
-                               new_tokens=a.new_tokens, repeats=a.repeats,
-                               compare_transformers=not a.no_transformers, enforce_eager=a.enforce_eager)
+    if a.peers:
+        from minillm.measure.peers import run_peers
+        engines = ("minillm",) + (() if a.no_transformers else ("transformers",)) + ("llama.cpp",)
+        rep = run_peers(model=a.model, device=a.device, dtype=a.dtype, prompt_tokens=a.prompt_tokens,
+                        new_tokens=a.new_tokens, rounds=a.rounds, engines=engines, compile=a.compile,
+                        gguf_path=a.gguf, progress=True)
+    else:
+        from minillm.measure.bench import run_decode_benchmark
+        rep = run_decode_benchmark(model=a.model, device=a.device, dtype=a.dtype, prompt_tokens=a.prompt_tokens,
+                                   new_tokens=a.new_tokens, repeats=a.repeats,
+                                   compare_transformers=not a.no_transformers, enforce_eager=a.enforce_eager,
+                                   compile=a.compile)
     print(rep.table())
     if a.json:
         _write_json(a.json, rep.to_dict())
@@ -138,6 +147,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
 def cmd_roofline(a: argparse.Namespace) -> int:
     import shlex
+    from minillm.plots.figures import figures_dir
     from minillm.plots.roofline import save_roofline_figure
     from minillm.measure.sweep import default_batches, load_result, parse_batches, run_sweep
     try:
@@ -145,10 +155,15 @@ def cmd_roofline(a: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    try:                          # where the figure will go: checked, with --out, before the sweep starts
+        figs = figures_dir(a.figures)
+    except OSError as e:
+        print(f"error: cannot write the figure to {a.figures or 'the default figures directory'}: {e}", file=sys.stderr)
+        return 2
     res = run_sweep(model=a.model, device=a.device, dtype=a.dtype, batches=batches, context=a.context,
                     warmup=a.warmup, steps=a.steps, cuda_graphs=not a.no_cuda_graphs,
                     command="python -m minillm " + " ".join(shlex.quote(x) for x in sys.argv[1:]),
-                    partial_path=Path(a.out) / "roofline-partial.jsonl")
+                    partial_path=Path(a.out) / "roofline-partial.jsonl", out_dir=a.out, figures_dir=figs)
     print(res.table())
     jp, cp = res.write(a.out)
     refs = [load_result(p) for p in (a.reference or [])]
@@ -355,6 +370,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--no-transformers", action="store_true", help="skip the transformers side")
     b.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for minillm's decode (vLLM's name)")
+    b.add_argument("--compile", action="store_true",
+                   help="minillm decodes through torch.compile (its compile time is reported; eager is the default)")
+    b.add_argument("--peers", action="store_true",
+                   help="minillm, transformers and llama.cpp (llama-cpp-python + gguf, where installed) on the same "
+                        "weights, interleaved round by round: tok/s with its spread, GB/s, %% of read bandwidth")
+    b.add_argument("--rounds", type=int, default=5, help="--peers: rounds, each running every engine once")
+    b.add_argument("--gguf", default=None, help="--peers: write the converted GGUF here and keep it (default: a temp file)")
     b.add_argument("--json", default=None, help="also write the report as JSON here")
     b.set_defaults(fn=cmd_bench)
 

@@ -1,7 +1,9 @@
 """``python -m minillm doctor``: is this machine ready for the notebooks?
 
 One line per check: [OK], [FAIL] (something the project needs is missing or broken) or [--]
-(optional and absent, e.g. no GPU). Exit status 1 if any check failed.
+(optional and absent, e.g. no GPU). Exit status 1 if any check failed. Two lines measure and
+inspect rather than import: the memory bandwidth (read, the decode bound's, and copy) and
+whether the CPU has native bf16 instructions.
 """
 from __future__ import annotations
 
@@ -103,6 +105,38 @@ def check_devices() -> list[Check]:
     return out
 
 
+def check_bandwidth(measure: bool = True) -> list[Check]:
+    """The two measured bandwidths of the default device: read (a sum reduction: what decode
+    does with its weights, so the roofline's bound) and copy (read + write), both labelled."""
+    if not measure:
+        return []
+    try:
+        import minillm.measure.hardware as hw
+        dev = hw.pick_device()
+        rd = hw.measure_read_bandwidth(dev, repeats=5, warmup=1)
+        cp = hw.measure_copy_bandwidth(dev, repeats=5, warmup=1)
+    except Exception as e:           # a measurement must not make doctor fail
+        return [Check("memory bandwidth", "--", f"not measured ({type(e).__name__}: {e})")]
+    return [Check("memory bandwidth", "OK",
+                  f"{dev}: read {rd.value / 1e9:.1f} GB/s ({rd.method}; the decode bound uses it), "
+                  f"copy {cp.value / 1e9:.1f} GB/s ({cp.method}); medians of 5, a busy machine reads low")]
+
+
+def check_cpu_bf16() -> list[Check]:
+    """Does this CPU compute in bf16 natively? Without AVX512-BF16 / AMX-BF16 (x86) or BF16 (Arm)
+    a bf16 matmul converts to fp32 in software: half the bytes, not half the time."""
+    import minillm.measure.hardware as hw
+    have = hw.cpu_bf16_instructions()
+    if have is None:
+        return [Check("cpu bf16", "--", "could not read the CPU's instruction flags")]
+    if not have:
+        return [Check("cpu bf16", "--", "no native bf16 instructions (no avx512_bf16 / amx_bf16 / Arm bf16): "
+                                        "bf16 matmuls are converted to fp32 in software, so bf16 decode on this "
+                                        "CPU is no faster than fp32 though it reads half the bytes; use fp32 here")]
+    return [Check("cpu bf16", "OK", f"native bf16 instructions: {', '.join(have)} (oneDNN uses them for bf16 "
+                                    f"matmuls; the CPU default dtype stays fp32)")]
+
+
 def check_default_assets() -> list[Check]:
     try:
         from minillm.engine.tokenizer import DEFAULT_TOKENIZER_DIR, load_tokenizer
@@ -114,8 +148,10 @@ def check_default_assets() -> list[Check]:
         return [Check("default tokenizer", "FAIL", f"{type(e).__name__}: {e}")]
 
 
-def run_checks() -> list[Check]:
-    return check_dependencies() + check_torch_build() + check_devices() + check_default_assets()
+def run_checks(measure: bool = True) -> list[Check]:
+    """``measure=False`` skips the bandwidth measurement (a second or two of large buffers)."""
+    return (check_dependencies() + check_torch_build() + check_devices() + check_cpu_bf16()
+            + check_bandwidth(measure) + check_default_assets())
 
 
 def main(argv: list[str] | None = None) -> int:

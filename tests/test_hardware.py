@@ -75,9 +75,57 @@ def test_ceilings_without_measuring_on_cpu_are_unknown():
     assert c["source"] == "unknown" and c["bandwidth"] is None
 
 
+def test_read_bandwidth_is_positive_and_counts_bytes_read():
+    rd = hw.measure_read_bandwidth("cpu", nbytes=32 * 2**20, repeats=3, warmup=1)
+    assert rd.unit == "B/s" and len(rd.samples) == 3 and rd.value > 0 and 1e8 < rd.value < 1e13
+    assert rd.value == sorted(rd.samples)[1] and rd.params["bytes"] == 32 * 2**20
+    assert "bytes read" in rd.method and "sum reduction" in rd.method
+    with pytest.raises(ValueError, match="cache"):
+        hw.measure_read_bandwidth("cpu", nbytes=1000)
+
+
+def test_default_read_buffer_is_well_past_the_last_level_cache():
+    llc = hw.last_level_cache_bytes("cpu")
+    n = hw.default_read_bytes(torch.device("cpu"))
+    cap = hw._host_available_bytes() // 8
+    assert n == min(max(512 * 2**20, 2 * (llc or 0)), cap)
+    assert llc is None or llc > 0
+
+
+def test_ceilings_measure_read_and_copy_and_the_bound_uses_read(monkeypatch):
+    monkeypatch.setattr(hw, "measure_read_bandwidth",
+                        lambda dev, nbytes=None: hw.Measurement(3e10, "B/s", [3e10], {}, "stand-in"))
+    c = hw.ceilings("cpu", "fp32", copy_bytes=8 * 2**20, matmul_n=128)
+    assert c["bandwidth"] == c["read_bandwidth"] == 3e10 and c["bandwidth_kind"] == "read"
+    assert c["copy_bandwidth"] > 0 and c["source"] == "measured"
+
+
+def test_cpu_bf16_flags_are_read():
+    have = hw.cpu_bf16_instructions()
+    assert have is None or set(have) <= set(hw.BF16_FLAGS)
+
+
+def test_doctor_says_whether_the_cpu_has_native_bf16(monkeypatch):
+    from minillm import doctor
+    monkeypatch.setattr(hw, "cpu_bf16_instructions", lambda: [])
+    (c,) = doctor.check_cpu_bf16()
+    assert c.status == "--" and "no native bf16" in c.detail and "fp32" in c.detail
+    monkeypatch.setattr(hw, "cpu_bf16_instructions", lambda: ["avx512_bf16", "amx_bf16"])
+    (c,) = doctor.check_cpu_bf16()
+    assert c.status == "OK" and "avx512_bf16" in c.detail
+
+
+def test_doctor_shows_read_and_copy_bandwidth(monkeypatch):
+    from minillm import doctor
+    monkeypatch.setattr(hw, "default_read_bytes", lambda dev: 16 * 2**20)
+    monkeypatch.setattr(hw, "default_copy_bytes", lambda dev: 16 * 2**20)
+    (c,) = doctor.check_bandwidth()
+    assert c.status == "OK" and "read " in c.detail and "copy " in c.detail and "bytes read" in c.detail
+
+
 def test_doctor_reports_every_check():
-    checks = run_checks()
+    checks = run_checks(measure=False)
     names = {c.name for c in checks}
-    assert {"torch", "transformers", "torch build", "cpu", "default tokenizer"} <= names
+    assert {"torch", "transformers", "torch build", "cpu", "cpu bf16", "default tokenizer"} <= names
     assert all(c.status in ("OK", "FAIL", "--") for c in checks)
     assert not [c for c in checks if c.status == "FAIL"], [c.line() for c in checks if c.status == "FAIL"]

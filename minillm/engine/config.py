@@ -21,6 +21,7 @@ class EngineConfig:
     scheduling_policy: str = "chunked"      # "chunked" (vLLM V1's default) or "prefill-first" (10.4's stall)
     enable_prefix_caching: bool = True      # a finished request's K/V serves later prompts with its prefix
     enforce_eager: bool = False             # True: never capture CUDA graphs (vLLM's name)
+    compile: bool = False                   # torch.compile the decode step (Inductor); eager is the reference
     sync_timing: bool = True                # synchronise before stamping traces (timestamps = work done)
     step_history: int = 4096                # StepRecords kept in the engine's ring buffer
 

@@ -13,8 +13,15 @@ of rows (1, 2, 4, 8, 16, … up to the batch size) and of K/V length (powers of 
 lengths held as data and padding rows pointed at the cache's reserved slot. On CUDA each
 bucket is captured once as a CUDA graph and replayed (off with ``enforce_eager``); on a CPU the
 same static path runs eagerly, which is how the tests pin it against the dynamic one.
+
+With ``compile`` (``EngineConfig.compile``), decode steps always take the static path and each
+bucket's step is ``torch.compile``d (``minillm.engine.compiled``); the first step of a bucket
+pays the compilation, kept in ``compile_s`` and that step's ``StepRecord.compile_ms``.
 """
 from __future__ import annotations
+
+import logging
+import time
 
 import torch
 
@@ -34,6 +41,8 @@ from minillm.engine.sequence import Sequence
 from minillm.engine.step_record import StepRecord
 from minillm.measure.hardware import synchronize
 from minillm.measure.trace import now_ns
+
+log = logging.getLogger(__name__)
 
 
 def buckets_up_to(n: int) -> list[int]:
@@ -72,17 +81,28 @@ class StaticDecode:
 
 class ModelRunner:
     def __init__(self, model, cache: KVCache, max_batch_size: int, *, enforce_eager: bool = False,
-                 sync_timing: bool = True, seed: int = 0):
+                 sync_timing: bool = True, seed: int = 0, compile: bool = False):
         cfg = model.config
         self.model, self.cache, self.device = model, cache, model.device
         self.backend = AttentionBackend(cache, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self.sampler = Sampler(self.device, seed)
         self.sync_timing = sync_timing
         self.use_cuda_graphs = self.device.type == "cuda" and not enforce_eager
-        self.static_decode = self.use_cuda_graphs      # tests turn it on for the CPU
         self.row_buckets = buckets_up_to(max_batch_size)
         self._static: dict[tuple[int, int], StaticDecode] = {}
         self.graphs = GraphPool()
+        # torch.compile of the static decode (one graph per bucket); eager is the default
+        self.compile = compile
+        self.compile_s: dict[tuple[int, int], float] = {}      # bucket → first step's time (compile + run)
+        self._compiled = None
+        if compile:
+            from minillm.engine.compiled import compile_step, compile_unavailable
+            why = compile_unavailable(self.device)
+            if why:
+                raise ValueError(f"compile=True, but torch.compile cannot run here: {why}")
+            kv_buckets = max(1, cache.max_len.bit_length() - 3)          # 16, 32, … max_len
+            self._compiled = compile_step(self._static_step, len(self.row_buckets) * kv_buckets + 4)
+        self.static_decode = self.use_cuda_graphs or compile   # tests turn it on for the CPU
 
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
@@ -105,7 +125,7 @@ class ModelRunner:
         rec.mark(now_ns())                                                          # prepared
         events = self._device_events()
         if static is not None:
-            logits = self._run_static(static)[: len(rows)]                           # [R, V]
+            logits = self._run_static(static, rec)[: len(rows)]                      # [R, V]
             rec.cuda_graph = self.use_cuda_graphs
         else:
             self.backend.begin(meta)
@@ -186,12 +206,27 @@ class ModelRunner:
             self._static[key] = StaticDecode(self.cache, B, L, self.device)
         return self._static[key]
 
-    def _run_static(self, sd: StaticDecode) -> torch.Tensor:
-        def forward() -> torch.Tensor:
-            self.backend.begin(sd.meta)
-            return self.model.forward_packed(sd.tokens, sd.positions, self.backend, sd.logits_index)
-        if not self.use_cuda_graphs:
-            return forward()
+    def _static_step(self, sd: StaticDecode) -> torch.Tensor:
+        """One decode step on a bucket's static buffers (what a CUDA graph captures and what
+        ``torch.compile`` compiles)."""
+        self.backend.begin(sd.meta)
+        return self.model.forward_packed(sd.tokens, sd.positions, self.backend, sd.logits_index)  # [rows, V]
+
+    def _run_static(self, sd: StaticDecode, rec: StepRecord | None = None) -> torch.Tensor:
+        step = self._compiled or self._static_step
         key = (sd.rows, sd.kv_len)
-        replay = self.graphs.graphs.get(key) or self.graphs.capture(key, forward)
-        return replay()
+        first = self.compile and key not in self.compile_s
+        t0 = time.perf_counter()
+        if not self.use_cuda_graphs:
+            out = step(sd)
+        else:
+            replay = self.graphs.graphs.get(key) or self.graphs.capture(key, lambda: step(sd))
+            out = replay()
+        if first:       # the bucket's first step: compilation (and capture on CUDA) included
+            synchronize(self.device)
+            self.compile_s[key] = time.perf_counter() - t0
+            if rec is not None:
+                rec.compile_ms = self.compile_s[key] * 1e3
+            log.info("torch.compile: decode bucket (rows %d, K/V length %d) compiled%s in %.1f s",
+                     sd.rows, sd.kv_len, " and captured" if self.use_cuda_graphs else "", self.compile_s[key])
+        return out

@@ -36,6 +36,7 @@ class StepRecord:
     cuda_graph: bool = False       # the forward was a CUDA-graph replay
     bucket: tuple[int, int] | None = None   # (rows, K/V length) of the static decode shape
     device_ms: float | None = None
+    compile_ms: float | None = None   # this step compiled its decode bucket first (EngineConfig.compile)
     error: str | None = None
 
     def mark(self, t_ns: int) -> None:

@@ -392,6 +392,7 @@ class BenchConfig:
     tokenizer: str | None = None                # counts tokens (see load_count_tokenizer)
     sharegpt_output_len: int | None = None
     progress: bool = False                      # a progress bar on stderr (the CLI turns it on)
+    prompt_nonce: int | None = None             # None: a fresh one per run (see sample_requests)
 
     @property
     def chat(self) -> bool:
@@ -658,7 +659,7 @@ async def arun_bench(cfg: BenchConfig, transport=None, schedule: Sequence[float]
     tok = load_count_tokenizer(cfg.tokenizer)
     reqs = sample_requests(cfg.num_prompts + cfg.warmup, cfg.dataset_name, cfg.random_input_len,
                            cfg.random_output_len, cfg.random_range_ratio, cfg.lognormal_sigma, cfg.dataset_path,
-                           cfg.same_prompt, cfg.seed, tok, cfg.sharegpt_output_len)
+                           cfg.same_prompt, cfg.seed, tok, cfg.sharegpt_output_len, cfg.prompt_nonce)
     warm, reqs = reqs[:cfg.warmup], reqs[cfg.warmup:]
     sched = list(schedule) if schedule is not None else \
         arrival_schedule(len(reqs), cfg.request_rate, cfg.burstiness, cfg.seed)

@@ -2,9 +2,12 @@
 
 Two kinds of ceiling, always labelled:
 - **spec**: the vendor's number (a table keyed by GPU name, or NVML's memory clock × bus width);
-- **measured**: what this machine actually does right now — a large device copy (bytes read +
-  written) and a large matmul in the model's dtype. The roofline is drawn against the measured
-  ceilings, because "% of a datasheet number" mixes our code's efficiency with the hardware's.
+- **measured**: what this machine actually does right now — a large read (a sum reduction:
+  bytes read), a large device copy (bytes read + written) and a large matmul in the model's
+  dtype. The roofline is drawn against the measured ceilings, because "% of a datasheet number"
+  mixes our code's efficiency with the hardware's. Decode *reads* its weights and writes almost
+  nothing, so its bound uses the read bandwidth; a copy's read + write figure is lower on most
+  machines (here 25 against 30 GB/s) and would flatter every "% of the bound". Both are shown.
 
 Everything here works on CUDA, Apple MPS and CPU; nothing needs a GPU to import.
 """
@@ -285,6 +288,34 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
+# Instructions that compute in bf16 natively (x86: AVX512-BF16 dot products, AMX tiles; Arm:
+# the BF16 extension). Without them a bf16 matmul converts to fp32 in software: bf16 halves the
+# bytes read but not the time, so on such a CPU bf16 decode is no faster than fp32.
+BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
+
+
+def cpu_bf16_instructions() -> list[str] | None:
+    """The CPU's native bf16 instruction sets ([] when it has none), or None when the flags
+    cannot be read (no /proc/cpuinfo and not a Mac)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key = line.split(":", 1)[0].strip().lower()
+                if key in ("flags", "features"):          # x86 "flags", Arm "Features"
+                    have = set(line.split(":", 1)[1].split())
+                    return [x for x in BF16_FLAGS if x in have]
+    except OSError:
+        pass
+    if platform.system() == "Darwin":
+        try:
+            out = subprocess.run(["sysctl", "-n", "hw.optional.arm.FEAT_BF16"], capture_output=True,
+                                 text=True, timeout=5).stdout.strip()
+            return ["bf16"] if out == "1" else []
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return None
+
+
 def cpu_cores() -> int:
     """Cores this process may use (a container's or taskset's limit, not the host's count)."""
     try:
@@ -368,6 +399,53 @@ def _time_s(fn, device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
+def last_level_cache_bytes(device: torch.device | str | None = None) -> int | None:
+    """The largest cache in front of the device's memory: a CPU's L3 (or L2), a GPU's L2.
+    None where the system does not say (then the defaults below are large anyway)."""
+    dev = pick_device(device)
+    if dev.type == "cuda":
+        return int(getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0)) or None
+    if dev.type != "cpu":
+        return None
+    best = (0, 0)                                    # (level, bytes)
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        for idx in os.listdir(base):
+            try:
+                with open(f"{base}/{idx}/level") as f:
+                    level = int(f.read())
+                with open(f"{base}/{idx}/size") as f:
+                    size = f.read().strip()
+            except (OSError, ValueError):
+                continue
+            mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(size[-1:].upper(), 1)
+            digits = size[:-1] if mult > 1 else size
+            if digits.isdigit():
+                best = max(best, (level, int(digits) * mult))
+    except OSError:
+        pass
+    if best[1]:
+        return best[1]
+    for name in ("SC_LEVEL3_CACHE_SIZE", "SC_LEVEL2_CACHE_SIZE"):
+        try:
+            v = os.sysconf(name)
+            if v and v > 0:
+                return int(v)
+        except (ValueError, OSError, AttributeError):
+            pass
+    return None
+
+
+def default_read_bytes(device: torch.device) -> int:
+    """At least twice the last-level cache (a server CPU's L3 can be hundreds of MB: this one
+    reports 480 MiB), so a streaming read cannot be served from cache; 512 MiB at least on a CPU,
+    2 GiB on a GPU; never more than an eighth of the free host memory (a quarter of a GPU's)."""
+    if device.type != "cpu":
+        return default_copy_bytes(device)
+    llc = last_level_cache_bytes(device) or 0
+    return int(min(max(512 * 2**20, 2 * llc), _host_available_bytes() // 8))
+
+
 def default_copy_bytes(device: torch.device) -> int:
     """Well past the last-level cache (a server CPU's L3 can exceed 100 MB; an H100's L2 is 50 MB)."""
     if device.type == "cuda":
@@ -397,6 +475,31 @@ def measure_copy_bandwidth(device: torch.device | str | None = None, nbytes: int
                        "tensor copy, bytes read + written")
 
 
+def measure_read_bandwidth(device: torch.device | str | None = None, nbytes: int | None = None,
+                           repeats: int = 10, warmup: int = 2) -> Measurement:
+    """Read a large buffer and count bytes read (1 × size) per pass: a sum reduction, whose
+    output is one number, so nothing is written back. This is the traffic of a decode step,
+    which reads every weight once and writes only activations. The median of ``repeats``
+    passes after ``warmup`` untimed ones. On CUDA the reduction is one read kernel (torch's
+    sum), labelled as such: the closest a framework gets to a pure device read."""
+    dev = pick_device(device)
+    nbytes = int(nbytes or default_read_bytes(dev))
+    if nbytes < 2**20:
+        raise ValueError(f"a read of {nbytes} bytes measures the cache, not memory: use at least 1 MiB")
+    n = nbytes // 4
+    buf = torch.ones(n, dtype=torch.float32, device=dev)                   # [n], every page touched
+    for _ in range(warmup):
+        buf.sum()
+    samples = [n * 4 / _time_s(buf.sum, dev) for _ in range(repeats)]
+    del buf
+    kernel = "a CUDA sum-reduction kernel" if dev.type == "cuda" else "a sum reduction"
+    llc = last_level_cache_bytes(dev)
+    return Measurement(statistics.median(samples), "B/s", samples,
+                       {"bytes": n * 4, "repeats": repeats, "warmup": warmup, "device": str(dev),
+                        "last_level_cache_bytes": llc},
+                       f"{kernel} over {n * 4 / 2**20:.0f} MiB, bytes read")
+
+
 def measure_matmul_peak(device: torch.device | str | None = None, dtype: str | torch.dtype = "fp32",
                         n: int | None = None, repeats: int = 10, warmup: int = 2) -> Measurement:
     """FLOP/s of an n×n×n matmul (2n³ FLOPs) in the model's dtype: the compute roof we can reach."""
@@ -415,19 +518,23 @@ def measure_matmul_peak(device: torch.device | str | None = None, dtype: str | t
 
 
 def ceilings(device: torch.device | str | None = None, dtype: str | torch.dtype | None = None,
-             measure: bool = True, copy_bytes: int | None = None, matmul_n: int | None = None) -> dict:
+             measure: bool = True, copy_bytes: int | None = None, matmul_n: int | None = None,
+             read_bytes: int | None = None) -> dict:
     """Spec and measured bandwidth and peak side by side, plus which one the roofline uses:
-    the measured ones, or the spec where nothing was measured; 'unknown' when neither exists."""
+    the measured ones (bandwidth = the *read* bandwidth, what decode does; the copy figure
+    beside it), or the spec where nothing was measured; 'unknown' when neither exists."""
     dev = pick_device(device)
     dt = parse_dtype(dtype) if dtype is not None else default_dtype(dev)
     hw = describe_hardware(dev)
     out = {"device": str(dev), "dtype": dtype_name(dt), "hardware": hw.summary(),
            "spec_bandwidth": hw.spec_bandwidth, "spec_flops": (hw.spec_flops or {}).get(dtype_name(dt))}
     if measure:
+        rd = measure_read_bandwidth(dev, read_bytes)
         bw = measure_copy_bandwidth(dev, copy_bytes)
         pk = measure_matmul_peak(dev, dt, matmul_n)
-        out.update(measured_bandwidth=bw.value, measured_flops=pk.value,
-                   bandwidth=bw.value, peak_flops=pk.value, source="measured")
+        out.update(measured_bandwidth=rd.value, read_bandwidth=rd.value, copy_bandwidth=bw.value,
+                   measured_flops=pk.value, bandwidth=rd.value, bandwidth_kind="read",
+                   peak_flops=pk.value, source="measured")
     else:
         out.update(bandwidth=out["spec_bandwidth"], peak_flops=out["spec_flops"],
                    source="spec" if out["spec_bandwidth"] and out["spec_flops"] else "unknown")

@@ -20,7 +20,6 @@ profiler (``outside_profile.profile_steps``) separates those two.
 """
 from __future__ import annotations
 
-import os
 import statistics
 from dataclasses import asdict, dataclass, field
 
@@ -28,13 +27,13 @@ import torch
 
 from minillm.engine.sampling import SamplingParams, make_generator
 from minillm.engine.step_record import PHASES, StepRecord
+from minillm.measure.busy import NOISY_SPREAD  # p90/p10 above which a case is flagged
 
 OUTSIDE_PHASES = ("schedule", "prepare", "sample", "output")     # around the model's forward
 FORWARD_PHASES = ("forward_issue", "device")
 CHAPTER_OUTSIDE_SHARE = 0.30          # the chapter's "about 30 %" of a step spent outside the forward
 PHASE_LABELS = {"schedule": "schedule", "prepare": "prepare inputs", "forward_issue": "forward issue",
                 "device": "device (wait)", "sample": "sample", "output": "output processing"}
-NOISY_SPREAD = 1.5                    # p90 / p10 of step walls above which a case is flagged (as the sweep)
 
 
 @dataclass
@@ -251,33 +250,17 @@ def measure_phase_cases(models: tuple[str, ...] = ("tiny", "cpu-small"), batches
 # ---------------------------------------------------------------------------------------------
 
 def load_warning(threshold: float = 0.5) -> str | None:
-    """A warning when the 1-minute load average is above ``threshold`` × the cores (other
-    programs are running: timings will be slow and noisy), else None. Call it before measuring:
-    a benchmark's own threads raise the load too."""
-    try:
-        load1 = os.getloadavg()[0]
-    except (AttributeError, OSError):          # Windows has no load average
-        return None
-    cores = os.cpu_count() or 1
-    if load1 > threshold * cores:
-        return (f"WARNING: this machine is busy (1-minute load average {load1:.2f} on {cores} cores). Other "
-                f"programs compete for the CPU: the numbers below will be slower and noisier than this "
-                f"machine can do. Close them and rerun before trusting a number. (With few cores, torch's "
-                f"threads can also end up waiting for each other when another program takes a core: "
-                f"torch.set_num_threads(1) avoids that, at the cost of some compute speed.)")
-    return None
+    """A warning when the 1-minute load average is above ``threshold`` × the cores, else None
+    (:func:`minillm.measure.busy.machine_busy`). Call it before measuring: a benchmark's own
+    threads raise the load too."""
+    from minillm.measure.busy import machine_busy
+    w = machine_busy(threshold).warning
+    return None if w is None else "WARNING: " + w
 
 
 def noisy_warning(samples: dict[str, list[float]], spread: float = NOISY_SPREAD, max_named: int = 6) -> str | None:
-    """A warning naming the series whose p90/p10 exceeds ``spread`` (the first ``max_named``), else None."""
-    bad = []
-    for name, xs in samples.items():
-        if len(xs) >= 3:
-            q = statistics.quantiles(xs, n=10, method="inclusive")
-            if q[0] > 0 and q[-1] / q[0] > spread:
-                bad.append(f"{name} ({q[-1] / q[0]:.1f}×)")
-    if not bad:
-        return None
-    shown = ", ".join(bad[:max_named]) + (f" and {len(bad) - max_named} more" if len(bad) > max_named else "")
-    return (f"WARNING: noisy measurements (p90/p10 above {spread}): {shown}. Something else used the "
-            f"machine while they ran; rerun before reading those rows closely.")
+    """A warning naming the series whose p90/p10 exceeds ``spread`` (the first ``max_named``), else
+    None (:func:`minillm.measure.busy.noisy_warning`)."""
+    from minillm.measure.busy import noisy_warning as _noisy
+    w = _noisy(samples, spread, max_named)
+    return None if w is None else "WARNING: " + w

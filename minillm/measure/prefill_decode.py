@@ -60,6 +60,7 @@ import numpy as np
 import torch
 
 import minillm.measure.roofline as rf
+from minillm.measure.busy import NOISY_SPREAD as _NOISY_SPREAD
 from minillm.measure.hardware import (
     cpu_cores,
     describe_hardware,
@@ -70,7 +71,7 @@ from minillm.measure.hardware import (
 )
 from minillm.model.config import ModelConfig
 
-NOISY_SPREAD = 1.5          # p90 / p10 of a row's samples above which it is flagged (as sweep.py)
+NOISY_SPREAD = _NOISY_SPREAD   # p90 / p10 of a row's repeats above which it is flagged (busy.py)
 
 # ----------------------------------------------------------------------------- formulas
 

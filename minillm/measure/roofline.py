@@ -93,26 +93,116 @@ def crossover_batch(cfg: ModelConfig, dtype_bytes: int, bandwidth: float, peak_f
     return math.inf if denom <= 0 else i_star * W / denom
 
 
-def measured_knee(batches: list[int], step_times: list[float]) -> float | None:
-    """THE definition of the measured knee, used everywhere: fit the roofline's own shape
-    t(B) = max(a, b·B) (a flat bandwidth-bound part, then a compute-bound line) to the measured
-    step times by least squares in log space; the knee is where the two fitted parts meet, a/b.
-    None when the best fit has fewer than two points on the rising line (no knee in the range)."""
-    pts = sorted((b, t) for b, t in zip(batches, step_times) if t and t > 0 and math.isfinite(t))
-    if len(pts) < 3:
+# What "the data has a knee" means: the roofline's own shape, t(B) = max(a, b·B), must describe
+# the points. A flat part (time barely grows with B: the weight read is the cost), then a rising
+# part that grows about as fast as the batch (the step is compute-bound). Step times that grow
+# from batch 1 at a rate in between (a CPU whose skinny matmuls run far below its peak, a step
+# whose KV traffic grows with B) have no knee, and a fit that forced one would invent it.
+KNEE_MAX_FLAT_SLOPE = 0.25     # log-log slope of the points before the knee: at most this
+KNEE_MIN_RISING_SLOPE = 0.7    # log-log slope of the points after it: at least this (∝ B is 1)
+KNEE_MAX_RMS = 0.12            # rms of the log residuals of the fitted shape (≈ 12 %)
+
+
+def _slope(logs: list[tuple[float, float]]) -> float | None:
+    """Least-squares slope of log t against log B; None for fewer than two points."""
+    if len(logs) < 2:
         return None
+    mx = sum(x for x, _ in logs) / len(logs)
+    my = sum(y for _, y in logs) / len(logs)
+    sxx = sum((x - mx) ** 2 for x, _ in logs)
+    return None if sxx == 0 else sum((x - mx) * (y - my) for x, y in logs) / sxx
+
+
+@dataclass(frozen=True)
+class KneeFit:
+    """The fit behind :func:`measured_knee`, with what it found and why it accepted or refused it."""
+    knee: float | None              # a/b when the points have the roofline's shape, else None
+    candidate: float | None         # the best fit's a/b, accepted or not (None: no fit tried or flat wins)
+    n_points: int
+    flat_points: int                # points on the flat part of the best fit
+    flat_slope: float | None        # log-log slope of those points (None: fewer than two)
+    rising_slope: float | None      # log-log slope of the points on the rising part
+    overall_slope: float | None     # log-log slope of all points
+    rms_log_residual: float | None  # how far the fitted max(a, b·B) is from the points
+    reason: str                     # one sentence, printed beside the plot
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def knee_fit(batches: list[int], step_times: list[float]) -> KneeFit:
+    """Fit the roofline's shape t(B) = max(a, b·B) to measured step times by least squares in log
+    space (for each split of the sorted points into a flat part and a rising part of ≥ 2 points),
+    then check that the points have that shape: the flat part flat (slope ≤ KNEE_MAX_FLAT_SLOPE),
+    the rising part ∝ B (slope ≥ KNEE_MIN_RISING_SLOPE), the fit close (rms ≤ KNEE_MAX_RMS) and
+    better than one flat line. ``knee`` is a/b only when every check passes; ``reason`` says
+    which failed."""
+    pts = sorted((b, t) for b, t in zip(batches, step_times) if t and t > 0 and math.isfinite(t))
+    n = len(pts)
+    if n < 3:
+        return KneeFit(None, None, n, 0, None, None, None, None,
+                       f"no knee: {n} point{'s' if n != 1 else ''} measured, a knee needs at least 3")
     logs = [(math.log(b), math.log(t)) for b, t in pts]
-    best = (math.inf, None)
-    for i in range(1, len(pts) - 1):           # pts[:i] flat, pts[i:] on the line (≥ 2 points)
+    overall = _slope(logs)
+    best = (math.inf, None, 0)
+    for i in range(1, n - 1):           # pts[:i] flat, pts[i:] on the line (≥ 2 points)
         log_a = sum(lt for _, lt in logs[:i]) / i
-        log_b = sum(lt - lb for lb, lt in logs[i:]) / (len(pts) - i)
+        log_b = sum(lt - lb for lb, lt in logs[i:]) / (n - i)
         err = sum((lt - max(log_a, log_b + lb)) ** 2 for lb, lt in logs)
         if err < best[0]:
-            best = (err, math.exp(log_a - log_b))
-    flat_err = sum((lt - sum(x for _, x in logs) / len(logs)) ** 2 for _, lt in logs)
+            best = (err, math.exp(log_a - log_b), i)
+    mean = sum(x for _, x in logs) / n
+    flat_err = sum((lt - mean) ** 2 for _, lt in logs)
+    grow = f"step time grows as B^{overall:.2f} over batches {pts[0][0]}–{pts[-1][0]}"
+    flat_range = (f"no knee in this range: {grow}, nearly flat; the step stays bandwidth-bound up to "
+                  f"the largest batch")
     if best[1] is None or flat_err <= best[0]:
-        return None
-    return best[1]
+        return KneeFit(None, None, n, n, overall, None, overall, math.sqrt(flat_err / n), flat_range)
+    err, cand, _ = best
+    # the points the fitted shape puts on each side of the candidate knee
+    flat = [lg for lg in logs if math.exp(lg[0]) <= cand] or logs[:1]
+    rising = [lg for lg in logs if math.exp(lg[0]) > cand]
+    fs, rs, rms = _slope(flat), _slope(rising), math.sqrt(err / n)
+    if overall <= KNEE_MAX_FLAT_SLOPE and (rs is None or rs < KNEE_MIN_RISING_SLOPE):
+        return KneeFit(None, cand, n, len(flat), fs, rs, overall, rms, flat_range)
+    problems = []
+    if fs is not None and fs > KNEE_MAX_FLAT_SLOPE:
+        problems.append(f"there is no flat part: below B ≈ {cand:.0f} the step time already grows as B^{fs:.2f}")
+    if rs is None or rs < KNEE_MIN_RISING_SLOPE:
+        problems.append(f"past B ≈ {cand:.0f} it grows as B^{rs if rs is not None else float('nan'):.2f}, "
+                        f"not ∝ B as a compute-bound step would")
+    if rms > KNEE_MAX_RMS:
+        problems.append(f"the shape max(a, b·B) misses the points by {100 * rms:.0f} % (rms)")
+    if problems:
+        return KneeFit(None, cand, n, len(flat), fs, rs, overall, rms,
+                       "no knee: " + "; ".join(problems) + f" ({grow}). These points do not have the "
+                       "roofline's shape, so no knee is read from them")
+    flat_txt = "flat" if fs is None else f"flat (B^{fs:.2f})"
+    return KneeFit(cand, cand, n, len(flat), fs, rs, overall, rms,
+                   f"knee at B ≈ {cand:.1f}: step time {flat_txt} up to it, then ∝ B^{rs:.2f} "
+                   f"(fit within {100 * rms:.0f} % rms)")
+
+
+def measured_knee(batches: list[int], step_times: list[float]) -> float | None:
+    """THE definition of the measured knee, used everywhere (:func:`knee_fit`): where the fitted
+    roofline shape max(a, b·B) turns, a/b, when the step times have that shape; None when they do
+    not, or when the best fit has fewer than two points on the rising line (no knee in range)."""
+    return knee_fit(batches, step_times).knee
+
+
+def flat_until(cfg: ModelConfig, dtype_bytes: int, bandwidth: float, peak_flops: float, context: int,
+               batches: list[int], tol: float = 0.10) -> int:
+    """The largest batch in ``batches`` (sorted) up to which the *predicted* step time stays within
+    ``tol`` of batch 1's, every batch before it included: the range where, by the formulas, each
+    request of a batch decodes about as fast as one alone."""
+    bs = sorted(batches)
+    t1 = predicted_step_time(cfg, dtype_bytes, bs[0], context, bandwidth, peak_flops)
+    last = bs[0]
+    for b in bs[1:]:
+        if predicted_step_time(cfg, dtype_bytes, b, context, bandwidth, peak_flops) > (1 + tol) * t1:
+            break
+        last = b
+    return last
 
 
 @dataclass(frozen=True)

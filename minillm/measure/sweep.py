@@ -12,12 +12,20 @@ cache and moves exactly W + B·L·k bytes (the roofline's formula). Then a third
   B·max(L) positions (read, copied, read again by attention: ≈ W + 3·B·max(L)·k), where Σ L
   would be the minimum. The gap per batch is what serving pays for that layout.
 Step times are synchronised device times (we wait for the device before reading the clock).
+
+The bound is drawn with the measured *read* bandwidth (a decode step reads its weights and
+writes almost nothing); the copy bandwidth (read + write) is measured and shown beside it.
+Output files are named from a safe slug of the model (``model_slug``): a checkpoint path never
+puts its slashes in a file name, and a directory that cannot be written is refused before
+the sweep starts, not after it ran.
 """
 from __future__ import annotations
 
 import json
 import math
+import os
 import platform
+import re
 import socket
 import statistics
 import sys
@@ -31,13 +39,14 @@ import torch
 import minillm.measure.roofline as rf
 from minillm.model.config import PRESETS
 from minillm.measure.hardware import (describe_hardware, dtype_bytes, dtype_name, free_memory_bytes,
-                       measure_copy_bandwidth, measure_matmul_peak, synchronize)
+                       measure_copy_bandwidth, measure_matmul_peak, measure_read_bandwidth, synchronize)
 from minillm.engine.sampling import SamplingParams
 from minillm.engine.sequence import Sequence, Status
 from minillm.measure.trace import Trace
+from minillm.measure.busy import NOISY_SPREAD as _NOISY_SPREAD
 
 DEFAULT_BATCHES = [1, 2, 4, 8, 16, 32, 48, 64]
-NOISY_SPREAD = 1.5          # p90 / p10 of the step times above which a row is flagged
+NOISY_SPREAD = _NOISY_SPREAD   # p90 / p10 of a row's repeats above which it is flagged (busy.py)
 
 
 def default_batches(max_batch: int = 64) -> list[int]:
@@ -74,6 +83,43 @@ def default_model_for(device: torch.device) -> str:
     return "cpu-small"
 
 
+def model_slug(model: str | Path) -> str:
+    """A safe piece of a file name for a model: a preset as it is, a checkpoint directory by its
+    own name, a hub id ``org/name`` as ``org--name`` (the Hugging Face cache's spelling); any
+    other character outside ``[A-Za-z0-9._-]`` becomes ``-``."""
+    text = str(model).strip()
+    if text in PRESETS:
+        return text
+    p = Path(text).expanduser()
+    if p.is_dir() or p.is_absolute() or text.startswith((".", "~")) or text.endswith(("/", os.sep)):
+        text = p.resolve().name                      # a path: the checkpoint directory's own name
+    else:
+        text = text.replace("/", "--")               # a hub id
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip(".-") or "model"
+
+
+def output_stem(model: str | Path, dtype: str, device: str) -> str:
+    """``roofline-<model slug>-<dtype>-<device type>``: the JSON's and the CSV's name."""
+    return f"roofline-{model_slug(model)}-{dtype}-{str(device).split(':')[0]}"
+
+
+def check_writable(*dirs: str | Path | None) -> None:
+    """Create each directory and write a probe file in it, so a sweep that could not save its
+    results says so before it starts (ValueError, one line), not after minutes of measuring."""
+    for d in dirs:
+        if d is None:
+            continue
+        d = Path(d)
+        probe = d / f".minillm-write-probe-{os.getpid()}"
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            probe.write_text("")
+            probe.unlink()
+        except OSError as e:
+            raise ValueError(f"cannot write results to {d} ({type(e).__name__}: {e.strerror or e}); "
+                             f"choose another directory (--out / --figures)") from None
+
+
 @dataclass
 class BatchResult:
     batch: int
@@ -92,7 +138,7 @@ class BatchResult:
     flops_per_step: int | None = None
     achieved_bw: float | None = None          # bytes/s
     achieved_flops: float | None = None       # FLOP/s
-    mbu: float | None = None                  # achieved_bw / measured copy bandwidth
+    mbu: float | None = None                  # achieved_bw / measured read bandwidth (the bound's)
     mfu: float | None = None                  # achieved_flops / measured matmul peak
     bound_tok_s: float | None = None          # aggregate bound at this batch (measured ceilings)
     pct_of_bound: float | None = None
@@ -119,7 +165,7 @@ class SweepResult:
     warmup: int
     steps: int
     cuda_graphs: bool
-    ceilings: dict                            # measured + spec: bandwidth (B/s), peak (FLOP/s)
+    ceilings: dict                            # measured + spec: bandwidth (B/s: read; copy beside it), peak (FLOP/s)
     model_bytes: int
     config: dict
     predicted_crossover: float                # B* (no KV)
@@ -128,6 +174,7 @@ class SweepResult:
     batches: list[BatchResult]
     started: str = ""
     duration_s: float = 0.0
+    knee_note: str = ""                       # what the knee fit found, or why there is no knee
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -135,7 +182,7 @@ class SweepResult:
     def write(self, out_dir: str | Path, stem: str | None = None) -> tuple[Path, Path]:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        stem = stem or f"roofline-{self.model}-{self.dtype}-{self.device.split(':')[0]}"
+        stem = stem or output_stem(self.model, self.dtype, self.device)
         jp, cp = out / f"{stem}.json", out / f"{stem}.csv"
         jp.write_text(dumps_strict(self.to_dict()))
         cols = ["batch", "status", "context", "forward_ms_median", "engine_ms_median", "served_ms_median",
@@ -146,10 +193,13 @@ class SweepResult:
         cp.write_text("\n".join(lines) + "\n")
         return jp, cp
 
+    def ceilings_line(self) -> str:
+        return ceilings_line(self.ceilings)
+
     def table(self) -> str:
         hdr = (f"{'batch':>5} {'step ms':>9} {'engine ms':>10} {'served ms':>10} {'tok/s/req':>10} {'tok/s agg':>10} "
                f"{'% bound':>8} {'MBU':>6} {'MFU':>6}")
-        rows, noisy = [hdr], []
+        rows, noisy = [self.ceilings_line(), hdr], []
         for b in self.batches:
             if b.status != "ok":
                 rows.append(f"{b.batch:>5} {b.status}")
@@ -165,10 +215,31 @@ class SweepResult:
         if noisy:
             rows.append(f"* noisy: p90/p10 of the step time > {NOISY_SPREAD} at batch {', '.join(map(str, noisy))}; "
                         f"something else was using the machine, rerun before trusting these rows")
-        knee = "none in range" if self.measured_knee is None else f"{self.measured_knee:.1f}"
+        knee = "none" if self.measured_knee is None else f"{self.measured_knee:.1f}"
         rows.append(f"predicted crossover B* = {self.predicted_crossover:.1f} (KV-aware at L={self.context}: "
                     f"{self.predicted_crossover_kv:.1f}); measured knee: {knee}")
+        if self.knee_note:
+            rows.append(f"  {self.knee_note}")
         return "\n".join(rows)
+
+
+def ceilings_line(c: dict) -> str:
+    """One line naming each ceiling and which one the bound uses (older runs measured only a
+    copy, and drew their bound with it: they are labelled so)."""
+    bw = c.get("bandwidth")
+    if c.get("source") != "measured":
+        return (f"ceilings ({c.get('source', 'unknown')}): bandwidth "
+                f"{bw / 1e9:.1f} GB/s" if bw else f"ceilings: {c.get('source', 'unknown')}")
+    peak = c.get("peak_flops")
+    kind = c.get("bandwidth_kind", "copy")
+    parts = [f"read {c['read_bandwidth'] / 1e9:.1f} GB/s" + (" (the bound's)" if kind == "read" else "")
+             ] if c.get("read_bandwidth") else []
+    copy = c.get("copy_bandwidth") or (bw if kind == "copy" else None)
+    if copy:
+        parts.append(f"copy {copy / 1e9:.1f} GB/s (read + write" + (", the bound's)" if kind == "copy" else ")"))
+    if peak:
+        parts.append(f"matmul {peak / 1e12:.2f} TFLOP/s")
+    return "ceilings (measured): " + ", ".join(parts)
 
 
 _NONFINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
@@ -343,15 +414,21 @@ def run_sweep(model: str | None = None, device: str | None = None, dtype: str | 
               batches: list[int] | None = None, context: int | None = None, warmup: int = 3, steps: int = 10,
               cuda_graphs: bool = True, measure_ceilings: bool = True, progress: bool = True,
               command: str | None = None, copy_bytes: int | None = None, matmul_n: int | None = None,
-              seed: int = 0, partial_path: str | Path | None = None, served: bool = True) -> SweepResult:
+              seed: int = 0, partial_path: str | Path | None = None, served: bool = True,
+              read_bytes: int | None = None, out_dir: str | Path | None = None,
+              figures_dir: str | Path | None = None) -> SweepResult:
     """Sweep decode batches (see the module docstring). ``partial_path``: append each batch's result there as one JSON line as soon as it is
-    measured, so a sweep killed by a time limit keeps what it measured."""
+    measured, so a sweep killed by a time limit keeps what it measured. ``out_dir``,
+    ``figures_dir`` (and ``partial_path``'s directory): checked for writing before anything is
+    measured. ``read_bytes``: the read-bandwidth buffer (default: ``copy_bytes`` when that is
+    given, so a small test stays small, else twice the last-level cache)."""
     from minillm.engine.engine import LLMEngine
     from minillm.measure.hardware import default_dtype, parse_dtype, pick_device
     from minillm.model.loader import load_model
     from minillm.engine.tokenizer import load_tokenizer
 
     t_start = time.time()
+    check_writable(out_dir, figures_dir, Path(partial_path).parent if partial_path is not None else None)
     dev = pick_device(device)
     model = model or default_model_for(dev)
     dt = parse_dtype(dtype) if dtype else default_dtype(dev)
@@ -363,11 +440,14 @@ def run_sweep(model: str | None = None, device: str | None = None, dtype: str | 
     tok = load_tokenizer(None)
 
     if measure_ceilings:
-        bw_m = measure_copy_bandwidth(dev, nbytes=copy_bytes)
+        rd_m = measure_read_bandwidth(dev, nbytes=read_bytes or copy_bytes)
+        cp_m = measure_copy_bandwidth(dev, nbytes=copy_bytes)
         pk_m = measure_matmul_peak(dev, dt, n=matmul_n)
-        bw, peak = bw_m.value, pk_m.value
-        ceil = {"bandwidth": bw, "peak_flops": peak, "source": "measured",
-                "bandwidth_samples": bw_m.samples, "peak_samples": pk_m.samples,
+        bw, peak = rd_m.value, pk_m.value            # decode reads its weights: the read bandwidth
+        ceil = {"bandwidth": bw, "bandwidth_kind": "read", "peak_flops": peak, "source": "measured",
+                "read_bandwidth": rd_m.value, "read_method": rd_m.method, "read_samples": rd_m.samples,
+                "copy_bandwidth": cp_m.value, "copy_method": cp_m.method, "copy_samples": cp_m.samples,
+                "bandwidth_samples": rd_m.samples, "peak_samples": pk_m.samples,
                 "spec_bandwidth": hw.spec_bandwidth, "spec_flops": (hw.spec_flops or {}).get(dtype_name(dt))}
     else:
         bw, peak = hw.spec_bandwidth, (hw.spec_flops or {}).get(dtype_name(dt))
@@ -411,7 +491,8 @@ def run_sweep(model: str | None = None, device: str | None = None, dtype: str | 
         if bar is not None and r.status == "ok":
             bar.set_postfix_str(f"B={b}: {r.aggregate_tok_s:.0f} tok/s")
     ok = [r for r in results if r.status == "ok"]
-    knee = rf.measured_knee([r.batch for r in ok], [r.forward_ms_median for r in ok])
+    fit = rf.knee_fit([r.batch for r in ok], [r.forward_ms_median for r in ok])
+    knee = fit.knee
     return SweepResult(
         model=str(model), dtype=dtype_name(dt), device=str(dev), hardware=_hw_dict(hw),
         host=socket.gethostname(), torch_version=torch.__version__, python=platform.python_version(),
@@ -422,10 +503,95 @@ def run_sweep(model: str | None = None, device: str | None = None, dtype: str | 
         predicted_crossover_kv=rf.crossover_batch(cfg, nbytes, bw, peak, context),
         measured_knee=knee, batches=results,
         started=time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t_start)),
-        duration_s=time.time() - t_start)
+        duration_s=time.time() - t_start, knee_note=fit.reason)
 
 
 def _hw_dict(hw) -> dict:
     d = asdict(hw)
     d["summary"] = hw.summary()
     return d
+
+
+# ---------------------------------------------------------------------------- reading a run
+
+def noisy_batches(result: dict, rel_spread: float = NOISY_SPREAD) -> dict[int, float]:
+    """``{batch: p90/p10}`` for the rows whose forward step times spread more than ``rel_spread``
+    (something else used the machine while they ran: :mod:`minillm.measure.busy`)."""
+    from minillm.measure.busy import noisy_rows
+    return noisy_rows({b["batch"]: b["forward_ms"] for b in result["batches"]
+                       if b["status"] == "ok" and b.get("forward_ms")}, rel_spread)
+
+
+def describe_run(result: dict, tol: float = 0.10) -> list[str]:
+    """What a sweep's data shows, in sentences built from its numbers (never typed in): how the
+    per-request speed moves with the batch, how the aggregate grows, what one more row costs
+    against the measured matmul peak, the knee (or why there is none) and B*."""
+    from minillm.model.config import ModelConfig
+    ok = sorted((b for b in result["batches"] if b["status"] == "ok"), key=lambda b: b["batch"])
+    if not ok:
+        return ["no batch was measured"]
+    b1, last = ok[0], ok[-1]
+    r1 = b1["per_request_tok_s"]
+    out = []
+    flat = b1
+    for b in ok[1:]:
+        if b["per_request_tok_s"] < (1 - tol) * r1:
+            break
+        flat = b
+    path = ", ".join(f"{b['per_request_tok_s']:.1f} at {b['batch']}" for b in ok)
+    if flat is last and len(ok) > 1:
+        out.append(f"Per-request tok/s stays within {100 * tol:.0f} % of batch {b1['batch']}'s {r1:.1f} up to "
+                   f"batch {last['batch']} ({last['per_request_tok_s']:.1f}): every row gets its token from the "
+                   f"same weight read.")
+    elif flat is not b1:
+        nxt = ok[ok.index(flat) + 1]
+        out.append(f"Per-request tok/s stays within {100 * tol:.0f} % of batch {b1['batch']}'s {r1:.1f} up to "
+                   f"batch {flat['batch']}, then falls: {nxt['per_request_tok_s']:.1f} at batch {nxt['batch']}, "
+                   f"{last['per_request_tok_s']:.1f} at batch {last['batch']} (×{last['per_request_tok_s'] / r1:.2f}).")
+    elif len(ok) > 1:
+        nxt = ok[1]
+        out.append(f"Per-request tok/s is not flat here: it falls from the first step up, "
+                   f"{r1:.1f} at batch {b1['batch']} → {nxt['per_request_tok_s']:.1f} at batch {nxt['batch']} "
+                   f"(×{nxt['per_request_tok_s'] / r1:.2f}) → {last['per_request_tok_s']:.1f} at batch "
+                   f"{last['batch']} (×{last['per_request_tok_s'] / r1:.2f}). All points: {path}.")
+    if len(ok) > 1:
+        g = last["aggregate_tok_s"] / b1["aggregate_tok_s"]
+        out.append(f"Aggregate tok/s: {b1['aggregate_tok_s']:.1f} at batch {b1['batch']} → "
+                   f"{last['aggregate_tok_s']:.1f} at batch {last['batch']}: ×{g:.1f} for "
+                   f"×{last['batch'] / b1['batch']:.0f} the requests.")
+        # what one more row costs, against what its arithmetic would cost at the measured peak
+        small = [b for b in ok[1:] if b["batch"] <= 4] or ok[1:2]
+        b_s = small[-1]
+        per_row_ms = (b_s["forward_ms_median"] - b1["forward_ms_median"]) / (b_s["batch"] - b1["batch"])
+        cfg = ModelConfig(**result["config"]) if result.get("config") else None
+        peak = result.get("ceilings", {}).get("peak_flops")
+        if cfg is not None and peak:
+            L = result["context"]
+            row_flops = (rf.decode_step_flops(cfg, b_s["batch"], L) - rf.decode_step_flops(cfg, b1["batch"], L)) \
+                / (b_s["batch"] - b1["batch"])
+            pred_ms = row_flops / peak * 1e3
+            if per_row_ms <= 0:
+                out.append(f"Between batch {b1['batch']} and {b_s['batch']} the step did not get longer "
+                           f"({b1['forward_ms_median']:.2f} → {b_s['forward_ms_median']:.2f} ms): the extra rows rode "
+                           f"on the same weight read.")
+            else:
+                ratio = per_row_ms / pred_ms
+                out.append(f"Each extra row between batch {b1['batch']} and {b_s['batch']} added {per_row_ms:.2f} ms "
+                           f"to a {b1['forward_ms_median']:.2f} ms step; its arithmetic at the measured matmul peak "
+                           f"would take {pred_ms:.3f} ms" + (
+                               f": the extra rows cost ×{ratio:.1f} what their arithmetic would. Matmuls with "
+                               f"a few rows run far below the peak (and the arithmetic overlaps the weight read "
+                               f"only in part), so the roofline's max(t_mem, t_compute) underestimates them."
+                               if ratio > 1.5 else ", as the roofline predicts."))
+    fit = rf.knee_fit([b["batch"] for b in ok], [b["forward_ms_median"] for b in ok])
+    out.append(f"Knee fit: {fit.reason}.")
+    bstar = result.get("predicted_crossover")
+    if bstar is not None:
+        where = "inside" if ok[0]["batch"] <= bstar <= last["batch"] else "outside"
+        out.append(f"Predicted crossover B* = {bstar:.1f} (from the measured ceilings), {where} the measured "
+                   f"batches {b1['batch']}–{last['batch']}.")
+    noisy = noisy_batches(result)
+    if noisy:
+        out.append("Noisy rows (marked on the figure): " + ", ".join(f"batch {b} ×{s:.1f}" for b, s in noisy.items())
+                   + ": rerun before reading them closely.")
+    return out

@@ -3,6 +3,10 @@
 Both paths build the module on the ``meta`` device first (no memory at all), cast it to the
 target dtype while still on ``meta``, and only then allocate on the target device. So an 8B
 twin in bf16 on a GPU never exists in fp32, nor on the CPU.
+
+Both paths also fill the weights through their Hugging Face names (``Transformer.hf_state_dict``):
+q/k/v and gate/up are blocks of rows of the fused weights, so a checkpoint loads into the fused
+model as it is, and a twin gets the same values fused or not (``fused=False``).
 """
 from __future__ import annotations
 
@@ -18,28 +22,36 @@ from minillm.model.transformer import Transformer
 INIT_STD = 0.02   # GPT-2/Llama-style init: keeps a random twin's activations finite in fp16
 
 
-def empty_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> Transformer:
+def empty_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, fused: bool = True) -> Transformer:
     """Allocate (uninitialised) parameters directly on ``device`` in ``dtype``."""
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = Transformer(cfg, fused=fused)
     model = model.to(dtype=dtype)                     # still meta: costs nothing
     model.to_empty(device=device)
     model.tie_weights()                               # to_empty may re-create tied tensors
-    model.inv_freq = _rope_buffer(cfg, device)        # buffers are not parameters: recompute
+    model.init_rope()                                 # buffers are not parameters: recompute
     return model
 
 
-def _rope_buffer(cfg: ModelConfig, device: torch.device) -> torch.Tensor:
-    from minillm.model.transformer import rope_inv_freq
-    return rope_inv_freq(cfg).to(device)
+def _hf_parameters(model: Transformer) -> dict[str, torch.Tensor]:
+    """Every weight once, by its Hugging Face name, in the unfused model's parameter order
+    (a tied LM head is the embedding: left out)."""
+    out, seen = {}, set()
+    for name, t in model.hf_state_dict().items():
+        key = (t.data_ptr(), t.shape)
+        if key not in seen:
+            seen.add(key)
+            out[name] = t
+    return out
 
 
 @torch.no_grad()
 def init_random_(model: Transformer, seed: int) -> Transformer:
-    """Deterministic random weights, generated on the model's device (one generator, parameters
-    in a fixed order), so the same seed gives the same twin on the same device type."""
+    """Deterministic random weights, generated on the model's device (one generator, weights in
+    a fixed order: Hugging Face's, so a fused twin equals the unfused one with the same seed),
+    so the same seed gives the same twin on the same device type."""
     gen = torch.Generator(device=model.device).manual_seed(seed)
-    for name, p in model.named_parameters():          # tied weights appear once
+    for name, p in _hf_parameters(model).items():     # tied weights appear once
         if name.endswith("norm.weight") or "layernorm" in name:
             p.fill_(1.0)
         elif name.endswith(".bias"):
@@ -49,8 +61,9 @@ def init_random_(model: Transformer, seed: int) -> Transformer:
     return model
 
 
-def shape_twin(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 0) -> Transformer:
-    return init_random_(empty_model(cfg, device, dtype), seed).eval()
+def shape_twin(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 0,
+               fused: bool = True) -> Transformer:
+    return init_random_(empty_model(cfg, device, dtype, fused), seed).eval()
 
 
 # ------------------------------------------------------------------ Hugging Face checkpoints
@@ -98,10 +111,10 @@ def _checkpoint_tensors(ckpt: Path, device: torch.device):
 
 
 @torch.no_grad()
-def load_checkpoint(ckpt: Path, device: torch.device, dtype: torch.dtype) -> Transformer:
+def load_checkpoint(ckpt: Path, device: torch.device, dtype: torch.dtype, fused: bool = True) -> Transformer:
     cfg = ModelConfig.from_hf(json.loads((ckpt / "config.json").read_text()), name=ckpt.name)
-    model = empty_model(cfg, device, dtype)
-    params = dict(model.named_parameters(remove_duplicate=False))
+    model = empty_model(cfg, device, dtype, fused)
+    params = model.hf_state_dict()          # HF names; q/k/v and gate/up are rows of the fused weights
     seen: set[str] = set()
     for key, tensor in _checkpoint_tensors(ckpt, device):
         if key.endswith("rotary_emb.inv_freq"):
@@ -124,15 +137,16 @@ def load_checkpoint(ckpt: Path, device: torch.device, dtype: torch.dtype) -> Tra
 
 
 def load_model(name_or_path: str | Path = "tiny", device: str | torch.device | None = None,
-               dtype: str | torch.dtype | None = None, seed: int = 0) -> Transformer:
-    """A preset name → its shape twin (random weights, seeded); anything else → a checkpoint."""
+               dtype: str | torch.dtype | None = None, seed: int = 0, fused: bool = True) -> Transformer:
+    """A preset name → its shape twin (random weights, seeded); anything else → a checkpoint.
+    ``fused=False``: separate q/k/v and gate/up projections (the same weights and logits)."""
     dev = pick_device(device)
     dt = parse_dtype(dtype) if dtype is not None else default_dtype(dev)
     if isinstance(name_or_path, ModelConfig):
-        return shape_twin(name_or_path, dev, dt, seed)
+        return shape_twin(name_or_path, dev, dt, seed, fused)
     if str(name_or_path) in PRESETS:
-        return shape_twin(get_preset(str(name_or_path)), dev, dt, seed)
-    return load_checkpoint(resolve_checkpoint(name_or_path), dev, dt)
+        return shape_twin(get_preset(str(name_or_path)), dev, dt, seed, fused)
+    return load_checkpoint(resolve_checkpoint(name_or_path), dev, dt, fused)
 
 
 def is_shape_twin(name_or_path: str | Path | ModelConfig) -> bool:

@@ -1,18 +1,54 @@
-"""One helper through which every chapter figure is saved (design.md §5): PNG + SVG in
-``figures/``, named like ``10-3-decode-roofline``, stamped with what it was measured on, and the
-data it was drawn from beside it in ``figures/data/NAME.json``, so it can be redrawn and checked."""
+"""One helper through which every chapter figure is saved (design.md §5): PNG + SVG, named like
+``10-3-decode-roofline``, stamped with what it was measured on, and the data it was drawn from
+beside it in ``data/NAME.json``, so it can be redrawn and checked.
+
+Where they go: ``runs/figures/`` relative to the working directory (git ignores ``runs/``), or
+``MINILLM_FIGURES_DIR``, or the folder a caller names (``--figures DIR`` on a command). Only an
+explicit request writes the committed ``figures/``: ``--figures figures/`` from the repository, or
+``PUBLISH = True`` in a notebook's parameters cell (:func:`notebook_figures_dir`). Never a folder
+inside the installed package: an installed copy has no ``figures/`` to write to.
+"""
 from __future__ import annotations
 
 import os
+import tempfile
 import textwrap
 from pathlib import Path
 
-FIGURES_DIR = Path(__file__).resolve().parents[2] / "figures"
+DEFAULT_DIR = Path("runs") / "figures"      # relative to the working directory
 
 
 def figures_dir(out_dir: str | Path | None = None) -> Path:
-    d = Path(out_dir or os.environ.get("MINILLM_FIGURES_DIR") or FIGURES_DIR)
+    d = Path(out_dir or os.environ.get("MINILLM_FIGURES_DIR") or DEFAULT_DIR)
     d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def notebook_figures_dir(publish: bool = False, fast: bool = False, cwd: str | Path | None = None) -> Path:
+    """Where a notebook's figures go; sets ``MINILLM_FIGURES_DIR`` so every helper uses it.
+
+    - fast mode (CI): a fresh temporary folder, whatever ``publish`` says: fast-mode figures are
+      never the chapter's;
+    - ``publish=True``: the committed ``figures/`` (``../figures`` from ``notebooks/``, where
+      Jupyter runs a notebook);
+    - otherwise ``MINILLM_FIGURES_DIR`` if set, else ``runs/figures/`` of the repository
+      (``../runs/figures`` from ``notebooks/``), which git ignores.
+    """
+    here = Path(cwd) if cwd is not None else Path.cwd()
+    root = here.parent if here.name == "notebooks" else here
+    if fast:
+        if publish:
+            print("PUBLISH ignored in fast mode: fast-mode figures never replace the committed ones")
+        d = Path(tempfile.mkdtemp(prefix="minillm-fig-"))
+    elif publish:
+        d = root / "figures"
+    else:
+        env = os.environ.get("MINILLM_FIGURES_DIR")
+        if env and Path(env).resolve() == (root / "figures").resolve():
+            env = None               # left over from a PUBLISH run in this kernel: not asked for now
+        d = Path(env) if env else root / DEFAULT_DIR
+    d.mkdir(parents=True, exist_ok=True)
+    os.environ["MINILLM_FIGURES_DIR"] = str(d)
     return d
 
 

@@ -3,8 +3,9 @@
 (a) one request: one horizontal bar per stage — gateway, tokenize, queue, prefill, decode — with
     its output tokens as ticks on the decode bar and the SSE chunks the server sent as ticks on a
     row of their own; a zoom on received → first token beside it, where the short stages live;
-(b) a few concurrent requests, one row each, on one clock: with more requests than batch slots,
-    the queue segments grow row after row — queueing, visible.
+(b) a few concurrent requests, one row each, on one clock, in the order the server had their whole
+    request (``body_read``): with more requests than batch slots, the queue segments grow row after
+    row — queueing, visible.
 
 The stages telescope like :func:`minillm.measure.metrics.ttft_breakdown` (each event closes a stage), so
 the bars of one request tile its life without gaps or overlaps::
@@ -177,14 +178,33 @@ def plot_request_timeline(trace: Any, ax=None, window_ms: tuple[float, float] | 
     return ax
 
 
-def plot_concurrent_timeline(traces: Iterable[Any], ax=None, max_rows: int = 32):
-    """Panel (b): one row per request (by arrival), stages as coloured segments, token ticks."""
-    import matplotlib.pyplot as plt
+def arrival_ns(trace: Any) -> int:
+    """When the server had the whole request: its ``body_read`` stamp (over HTTP), else its
+    ``received`` one (in process), else its first event. ``received`` is stamped when the headers
+    arrive; a client that opens many connections at once can send a body much later, and the
+    request only joins the queue once its body is in. Ordering rows by ``received`` would show
+    that client-side delay as the server serving late arrivals first."""
+    tr = as_trace(trace)
+    for name in ("body_read", "received"):
+        t = _first(tr, name)
+        if t is not None:
+            return t
+    return min(e.t_ns for e in tr.events)
+
+
+def arrival_order(traces: Iterable[Any]) -> list[Trace]:
+    """The traces that have a stage to draw, in the order their bodies were received."""
     trs = [as_trace(t) for t in traces]
-    trs = [t for t in trs if stage_spans(t)]
+    return sorted((t for t in trs if stage_spans(t)), key=arrival_ns)
+
+
+def plot_concurrent_timeline(traces: Iterable[Any], ax=None, max_rows: int = 32):
+    """Panel (b): one row per request, in the order its body was received (:func:`arrival_ns`),
+    stages as coloured segments, token ticks."""
+    import matplotlib.pyplot as plt
+    trs = arrival_order(traces)
     if not trs:
         raise ValueError("no trace with a stage to draw")
-    trs.sort(key=lambda t: stage_spans(t)[0].t0_ns)
     trs = trs[:max_rows]
     if ax is None:
         _, ax = plt.subplots(figsize=(8, 0.25 * len(trs) + 1))
@@ -199,7 +219,7 @@ def plot_concurrent_timeline(traces: Iterable[Any], ax=None, max_rows: int = 32)
         ax.vlines([(t - t0) / 1e6 for t in tr.times("token")], y - 0.3, y + 0.3, color="k", lw=0.3, alpha=0.6,
                   rasterized=True)
     ax.set_yticks(range(len(trs)), [f"#{len(trs) - k}" for k in range(len(trs))], fontsize=6)
-    ax.set_ylabel("request (by arrival)")
+    ax.set_ylabel("request (by body received)")
     ax.set_xlabel("ms since the first request arrived")
     ax.grid(axis="x", alpha=0.3)
     return ax
@@ -228,9 +248,9 @@ def request_timeline_figure(single: Any, concurrent: Iterable[Any], title: str |
     ax_z.axvline((t_first_tok - spans[0].t0_ns) / 1e6, color="k", ls=":", lw=0.8)
     if conc:
         plot_concurrent_timeline(conc, ax_b, max_rows=32)
-        shown = f" (the first {n_rows} by arrival)" if n_rows < len(conc) else ""
-        ax_b.set_title(f"(b) {len(conc)} concurrent requests{shown}, one row each: waiting in the queue shows "
-                       "as red", fontsize=10, loc="left")
+        shown = f" (the first {n_rows})" if n_rows < len(conc) else ""
+        ax_b.set_title(f"(b) {len(conc)} concurrent requests{shown}, one row each, in the order their bodies were "
+                       "received: waiting in the queue shows as red", fontsize=10, loc="left")
     else:
         ax_b.set_visible(False)
     handles = [Patch(color=STAGE_COLORS[s], label=s) for s in STAGE_ORDER]

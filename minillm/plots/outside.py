@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from minillm.engine.step_record import PHASES
+from minillm.measure.busy import NOISY_SPREAD, spread
 from minillm.measure.outside_steps import (
     CHAPTER_OUTSIDE_SHARE,
     OUTSIDE_PHASES,
@@ -51,6 +52,10 @@ def plot_step_phases(cases, references=None, reference_label: str = "reference",
         ax.annotate(f"{100 * o:.0f} %", (x, o), xytext=(0, 3), textcoords="offset points", ha="center",
                     va="bottom", fontsize=8, color="white" if o < 0.9 else "black", fontweight="bold")
         ax.text(x, 1.01, f"{c.mean_wall_ms:.3g} ms/step", ha="center", va="bottom", fontsize=8)
+        if c.noisy:        # the step times spread widely: something else ran (minillm.measure.busy)
+            ax.bar([x], [1.0], width=0.62, fill=False, edgecolor="red", linewidth=1.6, hatch="//")
+            ax.text(x, 0.5, f"noisy\n×{c.spread:.1f}", ha="center", va="center", fontsize=8, color="red",
+                    fontweight="bold", bbox={"facecolor": "white", "edgecolor": "red", "alpha": 0.85, "pad": 1})
     ax.axhline(line, color="black", ls="--", lw=1.2)
     ax.text(-0.45, line + 0.005, f"chapter: about {100 * line:.0f} % outside the forward", va="bottom",
             ha="left", fontsize=8, bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 1})
@@ -76,6 +81,7 @@ def plot_sampling_cost(bench, step_ms: dict[str, float] | None = None, title: st
     b = bench if isinstance(bench, SamplingBench) else SamplingBench.from_dict(bench)
     methods = methods or b.method_names
     vocabs = b.vocabs
+    noisy_any = False
     fig, axes = plt.subplots(1, len(vocabs), figsize=(5.2 * len(vocabs), 4.4), sharey=True, squeeze=False)
     for ax, V in zip(axes[0], vocabs):
         for m in methods:
@@ -87,6 +93,12 @@ def plot_sampling_cost(bench, step_ms: dict[str, float] | None = None, title: st
                     continue
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], ls=ls, lw=lw, alpha=alpha, marker="o", ms=3,
                         color=METHOD_COLORS.get(m), label=f"{m} ({impl})")
+                bad = [(B, r.ms_median) for B in b.batches if (r := b.get(m, B, V, impl)) is not None
+                       and (sp := spread(r.ms)) is not None and sp > NOISY_SPREAD]
+                if bad:          # repeats that spread widely: ringed in red (minillm.measure.busy)
+                    ax.scatter([q[0] for q in bad], [q[1] for q in bad], s=90, facecolors="none", edgecolors="red",
+                               linewidths=1.3, zorder=5)
+                    noisy_any = True
         for i, (lab, ms) in enumerate((step_ms or {}).items()):
             ax.axhline(ms, color="black", ls=":", lw=1)
             ax.text(b.batches[0], ms, f" {lab}", va="bottom", ha="left", fontsize=7)
@@ -98,6 +110,10 @@ def plot_sampling_cost(bench, step_ms: dict[str, float] | None = None, title: st
         ax.grid(True, which="both", alpha=0.25)
     axes[0][0].set_ylabel("ms per step (median), logits → ids on the host")
     handles, labels = axes[0][-1].get_legend_handles_labels()
+    if noisy_any:
+        from matplotlib.lines import Line2D
+        handles.append(Line2D([], [], ls="", marker="o", mfc="none", mec="red", ms=9))
+        labels.append(f"noisy: repeats spread > ×{NOISY_SPREAD:g} (p90/p10)")
     fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
     fig.suptitle(title or f"Sampling cost per step: batched sampler (solid) vs the per-row loop before it (dashed); "
                  f"{b.logits_dtype} logits on {b.device}", fontsize=10)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from minillm.measure.busy import NOISY_SPREAD
 from minillm.measure.prefill_decode import cost_ratio, slo_crossing
 
 PREFILL_C, DECODE_C, REF_C = "tab:orange", "tab:blue", "tab:purple"
@@ -77,6 +78,11 @@ def plot_roofline_prefill_decode(result: dict, references: list[dict] | None = N
             if i in (0, len(rows) - 1) or len(rows) <= 5:
                 ax.annotate(f"{pre_}{r[key]}", (r["intensity"], r["achieved_flops"]), fontsize=7,
                             xytext=(4, -10 if pre_ == "B=" else 4), textcoords="offset points")
+    noisy = [r for r in pre + dec if r.get("time_ms_p10") and r["time_ms_p90"] / r["time_ms_p10"] > NOISY_SPREAD]
+    if noisy:        # samples that spread widely: something else ran (minillm.measure.busy)
+        ax.scatter([r["intensity"] for r in noisy], [r["achieved_flops"] for r in noisy], s=150, facecolors="none",
+                   edgecolors="red", linewidths=1.4, zorder=5,
+                   label=f"noisy: samples spread > ×{NOISY_SPREAD:g} (p90/p10): rerun")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlim(x0, x1)
@@ -98,6 +104,9 @@ def plot_roofline_prefill_decode(result: dict, references: list[dict] | None = N
                  color=REF_C, mfc="none", alpha=0.6, ms=4, label=f"reference prefill ({ref['model']})")
         ax2.plot([r["tokens"] for r in _ok(ref["decode"])], [r["ms_per_token"] for r in _ok(ref["decode"])], "o--",
                  color=REF_C, mfc="none", alpha=0.6, ms=4, label=f"reference decode ({ref['model']})")
+    if noisy:
+        ax2.scatter([r["tokens"] for r in noisy], [r["ms_per_token"] for r in noisy], s=150, facecolors="none",
+                    edgecolors="red", linewidths=1.4, zorder=5, label="noisy (as on the left)")
     if pre or dec:
         from minillm.model.config import ModelConfig
         body = ModelConfig(**cfg).matmul_params - v * h          # P without the LM head

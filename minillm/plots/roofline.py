@@ -55,6 +55,15 @@ def plot_roofline(result: dict, references: list[dict] | None = None, ax=None):
             label="measured aggregate tok/s")
     ax.plot([b["batch"] for b in ok], [b["per_request_tok_s"] for b in ok], "o-", color="tab:orange",
             label="measured per-request tok/s")
+    # rows whose repeats spread widely (something else ran): ringed in red, so nobody reads them as data
+    from minillm.measure.busy import NOISY_SPREAD, noisy_rows
+    noisy = noisy_rows({b["batch"]: b.get("forward_ms") or [] for b in ok})
+    if noisy:
+        nb_ = [b for b in ok if b["batch"] in noisy]
+        ax.scatter([b["batch"] for b in nb_] * 2,
+                   [b["aggregate_tok_s"] for b in nb_] + [b["per_request_tok_s"] for b in nb_],
+                   s=160, facecolors="none", edgecolors="red", linewidths=1.4, zorder=5,
+                   label=f"noisy: step times spread > ×{NOISY_SPREAD:g} (p90/p10): rerun")
     served = [b for b in ok if b.get("served_aggregate_tok_s")]
     if served:   # the same engine step as serving runs it: mixed lengths, scattered slots (a gather)
         ax.plot([b["batch"] for b in served], [b["served_aggregate_tok_s"] for b in served], "^:", color="tab:green",
@@ -69,24 +78,38 @@ def plot_roofline(result: dict, references: list[dict] | None = None, ax=None):
     bstar = result.get("predicted_crossover")
     if bstar and math.isfinite(bstar):
         ax.axvline(bstar, color="tab:red", lw=0.9, alpha=0.6, label=f"predicted crossover B* = {bstar:.0f}")
-    knee = result.get("measured_knee")
-    if knee:
-        ax.axvline(knee, color="tab:blue", lw=0.9, ls="--", alpha=0.6, label=f"measured knee ≈ {knee:.0f}")
+    # the knee from the data drawn, by the one definition (an older file's stored knee may predate it)
+    fit = rf.knee_fit([b["batch"] for b in ok], [b["forward_ms_median"] for b in ok])
+    if fit.knee:
+        ax.axvline(fit.knee, color="tab:blue", lw=0.9, ls="--", alpha=0.6, label=f"measured knee ≈ {fit.knee:.0f}")
+    elif fit.candidate and not fit.reason.startswith("no knee in this range"):
+        ax.plot([], [], " ", label="measured knee: none (the step times do not have\nthe roofline's flat-then-∝B shape)")
     else:
         ax.plot([], [], " ", label="measured knee: none in this range")
     ax.set_xlabel("batch size (concurrent decoding requests)")
     ax.set_ylabel("tokens / s")
     ax.set_title(f"Decode roofline: {_label(result)}\n(context {L}, ceilings {result['ceilings']['source']}: "
-                 f"{bw / 1e9:.0f} GB/s, {peak / 1e12:.2f} TFLOP/s)", fontsize=10)
+                 f"{bw / 1e9:.0f} GB/s {_bw_kind(result)}, {peak / 1e12:.2f} TFLOP/s)", fontsize=10)
     ax.grid(True, which="both", alpha=0.25)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))   # outside: never hides a line
     return fig
 
 
+def _bw_kind(result: dict) -> str:
+    """Which bandwidth the bound uses: 'read' (since the read ceiling exists); runs measured
+    before it drew their bound with the copy bandwidth."""
+    c = result["ceilings"]
+    if c.get("source") != "measured":
+        return c.get("source", "")
+    return c.get("bandwidth_kind", "copy")
+
+
 def stamp_of(result: dict) -> str:
+    from minillm.measure.sweep import ceilings_line
     hw = result.get("hardware", {})
     return (f"measured {result.get('started', '')} on {hw.get('summary') or hw.get('name') or result['device']}; "
-            f"model {result['model']} {result['dtype']}; torch {result['torch_version']}; {result.get('command', '')}")
+            f"model {result['model']} {result['dtype']}; {ceilings_line(result['ceilings'])}; "
+            f"torch {result['torch_version']}; {result.get('command', '')}")
 
 
 def save_roofline_figure(result: dict, references: list[dict] | None = None,

@@ -1,0 +1,65 @@
+"""The optional compiled decode (EngineConfig.compile): torch.compile of the static decode step must
+give the same tokens (and logprobs) as eager, which stays the default and the reference."""
+import pytest
+import torch
+
+from minillm.engine.compiled import compile_unavailable
+
+WHY = compile_unavailable("cpu")
+pytestmark = pytest.mark.skipif(WHY is not None, reason=f"torch.compile is unavailable here: {WHY}")
+
+
+def _generate(model, tok, prompts, compile):
+    from minillm.engine.engine import LLMEngine
+    from minillm.engine.sampling import SamplingParams
+    eng = LLMEngine(model, tok, max_batch_size=2, max_model_len=32, compile=compile)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=3)
+    rids = [eng.add_request(p, params) for p in prompts]
+    while not all(eng.get(r).finished for r in rids):
+        eng.step()
+    outs = [eng.output_of(eng.pop_finished(r)) for r in rids]
+    return outs, eng
+
+
+def test_compiled_decode_gives_the_same_tokens_as_eager():
+    """Small on purpose (2 layers, 512 tokens, 2 rows, 4 tokens: one bucket, one compilation):
+    Inductor compiles C++ on the CPU, and CI has 2 cores."""
+    from minillm.engine.tokenizer import load_tokenizer
+    from minillm.model.config import ModelConfig
+    from minillm.model.loader import load_model
+    cfg = ModelConfig(name="tiny-2l", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+                      num_heads=4, num_kv_heads=2, max_position_embeddings=64)
+    model = load_model(cfg, device="cpu", dtype="fp32", seed=2)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40)          # peaked logits: greedy never hinges on a last-bit tie
+    tok = load_tokenizer(None)
+    prompts = [[5, 17, 300, 42, 9], [7, 8, 9, 10, 11, 12, 13, 14]]
+    eager, eng_e = _generate(model, tok, prompts, compile=False)
+    compiled, eng_c = _generate(model, tok, prompts, compile=True)
+    assert eng_e.runner.compile_s == {} and not eng_e.runner.static_decode
+    assert [o.token_ids for o in compiled] == [o.token_ids for o in eager]
+    assert len({t for o in eager for t in o.token_ids}) > 2          # not a degenerate repeat
+    for a, b in zip(eager, compiled):
+        for la, lb in zip(a.logprobs, b.logprobs):
+            assert la.token_id == lb.token_id and abs(la.logprob - lb.logprob) <= 1e-4
+    # the compile time is reported: per bucket on the runner, and on the step that paid it
+    assert list(eng_c.runner.compile_s) == [(2, 16)] and eng_c.runner.compile_s[(2, 16)] > 0
+    paid = [r for r in eng_c.step_history if r.compile_ms]
+    assert len(paid) == 1 and paid[0].bucket == (2, 16) and paid[0].to_dict()["compile_ms"] > 0
+
+
+def test_compile_refused_with_the_reason_when_unavailable(monkeypatch):
+    from minillm.engine import compiled
+    from minillm.engine.engine import LLMEngine
+    from minillm.engine.tokenizer import load_tokenizer
+    from minillm.model.loader import load_model
+    compiled._cxx_compiler.cache_clear()
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.delenv("CXX", raising=False)
+    try:
+        assert "C++ compiler" in compiled.compile_unavailable("cpu")
+        with pytest.raises(ValueError, match="compile=True, but torch.compile cannot run here"):
+            LLMEngine(load_model("tiny", device="cpu"), load_tokenizer(None), max_batch_size=1, max_model_len=16,
+                      compile=True)
+    finally:
+        compiled._cxx_compiler.cache_clear()
