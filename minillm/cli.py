@@ -317,10 +317,10 @@ def cmd_bench_client(a: argparse.Namespace) -> int:
 
 def cmd_bench_deceptions(a: argparse.Namespace) -> int:
     from minillm.measure.deceptions import run_benchmark
-    from minillm.measure.hardware import describe_hardware
     out = run_benchmark(a.model, a.num_prompts, a.input_len, a.output_len, a.concurrency, a.rate_fraction,
                         a.base_url, a.api_key)
-    where = a.base_url or f"minillm serve --model {a.model} (own process) on {describe_hardware('cpu').summary()}"
+    hw = out["server"].get("hardware") or "hardware not reported by the server"
+    where = (a.base_url or f"minillm serve --model {a.model} (own process)") + f" on {hw}"
     print(f"the four self-deceptions of 10.6, against {where}\n"
           f"service rate {out['service_rate_rps']:.2f} req/s (closed loop); open-loop runs at "
           f"{out['open_loop_rate_rps']:.2f} req/s; {a.num_prompts} requests per run, input {a.input_len}, "
@@ -527,8 +527,8 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--num-prompts", type=int, default=40)
     bd.add_argument("--input-len", type=int, default=256)
     bd.add_argument("--output-len", type=int, default=32)
-    bd.add_argument("--concurrency", type=int, default=8,
-                    help="closed-loop concurrency (8, as the service-rate run: the closed loop then runs at saturation)")
+    bd.add_argument("--concurrency", type=int, default=1,
+                    help="the closed loop's requests in flight (1: send one, wait, send the next)")
     bd.add_argument("--rate-fraction", type=float, default=0.7, help="open-loop rate, as a fraction of the service rate")
     bd.add_argument("--json", default=None)
     bd.set_defaults(fn=cmd_bench_deceptions)

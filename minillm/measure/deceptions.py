@@ -120,9 +120,14 @@ def fixed_vs_lognormal(cfg: BenchConfig, sigma: float = 1.0) -> DeceptionPair:
 
 # ---------------------------------------------------------------------------------------------
 # 2. Closed loop vs open loop
-def closed_vs_open(cfg: BenchConfig, concurrency: int = 4, burstiness: float = 1.0) -> DeceptionPair:
+def closed_vs_open(cfg: BenchConfig, concurrency: int = 1, burstiness: float = 1.0) -> DeceptionPair:
     """Closed loop at ``concurrency`` (rate inf, at most C in flight), then an open loop (Poisson
-    by default) at the rate the closed loop *achieved*: the same mean load, with the queue let in."""
+    by default) at the rate the closed loop *achieved*: the same mean load, with the queue let in.
+
+    The default C = 1 is the chapter's "send one, wait, send the next". At larger C the closed
+    loop keeps C requests in the server all the time, so its own TTFT includes their contention
+    and its p50 can be the worse one; its tails (p99, E2E) are still the ones that flatter
+    (measured with `bench-deceptions --concurrency`, see the README)."""
     closed = run_bench(replace(cfg, request_rate=math.inf, max_concurrency=concurrency))
     rate = closed.summary.requests_s
     if not rate or not math.isfinite(rate) or rate <= 0:
@@ -319,7 +324,7 @@ class ServeProcess:
 
 
 def run_benchmark(model: str = "cpu-small", num_prompts: int = 40, input_len: int = 256, output_len: int = 32,
-                  concurrency: int = 8, rate_fraction: float = 0.7, base_url: str | None = None,
+                  concurrency: int = 1, rate_fraction: float = 0.7, base_url: str | None = None,
                   api_key: str | None = None, tokenizer: str | None = "default") -> dict[str, Any]:
     """All four pairs, deceptive beside honest. Cold vs warm runs first on a fresh server (started
     here unless ``base_url`` points at one); the other three follow on the now-warm server, at
@@ -333,7 +338,10 @@ def run_benchmark(model: str = "cpu-small", num_prompts: int = 40, input_len: in
         open_cfg = replace(cfg, request_rate=rate_fraction * mu, warmup=2)
         pairs = [cold, fixed_vs_lognormal(open_cfg), closed_vs_open(replace(cfg, warmup=2), concurrency),
                  unique_vs_repeated(replace(cfg, max_concurrency=1, warmup=2))]
-    return {"model": model, "service_rate_rps": mu, "open_loop_rate_rps": rate_fraction * mu,
+        from minillm.measure.bench_report import fetch_server_info
+        info = fetch_server_info(cfg)
+    return {"model": model, "server": {k: info.get(k) for k in ("hardware", "dtype", "device", "engine")},
+            "service_rate_rps": mu, "open_loop_rate_rps": rate_fraction * mu,
             "settings": {"num_prompts": num_prompts, "input_len": input_len, "output_len": output_len,
                          "concurrency": concurrency, "rate_fraction": rate_fraction},
             "pairs": pairs}
