@@ -572,3 +572,32 @@ def test_cli_sweep_writes_one_json_per_point_and_a_table(server, tmp_path, capsy
     assert "offered/s" in out and "achieved/s" in out
     assert main(["bench-serve", "--base-url", server.url, "--sweep-rate", "1,x"]) == 2
     assert "comma-separated" in capsys.readouterr().err
+
+
+def test_drawn_and_completion_rates_tell_whether_the_server_kept_up():
+    from minillm.measure.bench_serve import (
+        BenchResult,
+        RequestRecord,
+        completion_rate,
+        drawn_rate,
+        kept_up,
+    )
+    from minillm.measure.metrics import ClientRecord, summarize
+
+    def result(done_s: list[float], rate: float = 1.0) -> BenchResult:
+        recs = []
+        for i, d in enumerate(done_s):
+            t0 = int(i / rate * 1e9)
+            cr = ClientRecord(f"r{i}", t0, [(t0 + 1000, None, "x"), (int(d * 1e9), None, "y")], int(d * 1e9), 4)
+            recs.append(RequestRecord(i, i / rate, cr, 200, 4, 2))
+        cfg = BenchConfig(base_url="http://x", request_rate=rate)
+        return BenchResult(cfg, "m", recs, [], summarize([client_request_metrics(r.record) for r in recs]), {})
+
+    steady = result([i + 0.5 for i in range(10)])              # each done 0.5 s after its arrival
+    assert drawn_rate(steady) == pytest.approx(1.0) and completion_rate(steady) == pytest.approx(1.0)
+    assert kept_up(steady) is True
+    assert steady.summary.requests_s == pytest.approx(10 / 9.5)  # N over first send → last completion
+    growing = result([0.5 + 1.5 * i for i in range(10)])        # the queue grows: one done per 1.5 s
+    assert completion_rate(growing) == pytest.approx(1 / 1.5) and kept_up(growing) is False
+    closed = result([i + 0.5 for i in range(10)], rate=math.inf)
+    assert drawn_rate(closed) is None and kept_up(closed) is None

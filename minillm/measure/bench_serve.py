@@ -783,12 +783,40 @@ def sweep_configs(cfg: BenchConfig, rates: Sequence[float] | None = None,
     return [replace(cfg, request_rate=math.inf, max_concurrency=int(c)) for c in concurrencies]
 
 
+def _span_rate(times_s: Sequence[float]) -> float | None:
+    ts = sorted(times_s)
+    return (len(ts) - 1) / (ts[-1] - ts[0]) if len(ts) > 1 and ts[-1] > ts[0] else None
+
+
+def drawn_rate(res: BenchResult) -> float | None:
+    """The rate of the schedule this run drew: N − 1 gaps between its first and last due time
+    (a seeded Poisson draw of 50 gaps can be 10 % off the rate asked for). None: closed loop."""
+    if math.isinf(res.config.request_rate):
+        return None
+    return _span_rate([r.scheduled_s for r in res.records])
+
+
+def completion_rate(res: BenchResult) -> float | None:
+    """Completions/s between the first and the last successful completion. Beside the drawn
+    rate it says whether the server kept up: equal when it did, lower when its queue grew
+    through the run. (Achieved req/s, N over first send → last completion, differs from both on
+    a short run even when the server keeps up: N requests but N − 1 gaps, plus the last E2E.)"""
+    return _span_rate([r.record.t_done_ns / 1e9 for r in res.records if r.ok])
+
+
+def kept_up(res: BenchResult, tolerance: float = 0.9) -> bool | None:
+    """Open loop: did completions keep pace with the drawn arrivals (≥ ``tolerance`` of them)?"""
+    d, c = drawn_rate(res), completion_rate(res)
+    return None if d is None or c is None else c >= tolerance * d
+
+
 def sweep_row(res: BenchResult) -> dict[str, Any]:
     """One point of a sweep: the offered load beside what was achieved (so an overloaded server
     or client is seen), then the percentiles that matter."""
     s, c = res.summary, res.config
     ms = lambda x: None if x is None or (isinstance(x, float) and math.isnan(x)) else x * 1e3
     return {"offered_rate": c.request_rate, "max_concurrency": c.max_concurrency,
+            "drawn_rate": drawn_rate(res), "completion_rate": completion_rate(res),
             "achieved_rate": s.requests_s, "n_ok": s.n_ok, "n_failed": s.n_failed,
             "input_tok_s": s.input_tok_s, "output_tok_s": s.output_tok_s,
             "ttft_p50_ms": ms(s.ttft.p50), "ttft_p99_ms": ms(s.ttft.p99), "tpot_p50_ms": ms(s.tpot.p50),

@@ -87,10 +87,11 @@ def plot_latency_vs_rate(sweep, title: str | None = None, slo_ms: float | None =
     xs = [p["offered_rate"] for p in pts]
     ax.plot(xs, [p["ttft_p50_ms"] for p in pts], "o-", color=HONEST, label="open loop: TTFT p50")
     ax.plot(xs, [p["ttft_p99_ms"] for p in pts], "s-", color="tab:purple", label="open loop: TTFT p99")
-    for p in pts:                   # an overloaded point shows: achieved < offered
-        if p["achieved_rate"] and p["achieved_rate"] < 0.9 * p["offered_rate"]:
-            ax.annotate(f"achieved {p['achieved_rate']:.2f}/s", (p["offered_rate"], p["ttft_p99_ms"]),
-                        fontsize=7, xytext=(-40, 6), textcoords="offset points")
+    for p in pts:                   # an overloaded point shows: completions fell behind the arrivals
+        drawn, done = p.get("drawn_rate"), p.get("completion_rate")
+        if drawn and done and done < 0.9 * drawn:
+            ax.annotate(f"fell behind: {done:.2f}/s completed", (p["offered_rate"], p["ttft_p99_ms"]),
+                        fontsize=7, xytext=(-60, 6), textcoords="offset points")
     c = d["closed"]
     if c.get("ttft_p99_ms") is not None:
         ax.plot([c["achieved_rate"]], [c["ttft_p99_ms"]], "*", ms=16, color=DECEPTIVE,
