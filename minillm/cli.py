@@ -389,7 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--steps", type=int, default=10, help="timed decode steps per batch")
     r.add_argument("--no-cuda-graphs", action="store_true")
     r.add_argument("--out", default="runs", help="directory for the JSON and CSV")
-    r.add_argument("--figures", default=None, help="directory for the figure (default: the repo's figures/)")
+    r.add_argument("--figures", default=None, help="directory for the figure (default: runs/figures/ under the working directory, or $MINILLM_FIGURES_DIR; --figures figures/ writes the committed one)")
     r.add_argument("--reference", action="append", help="a reference run's JSON to overlay (repeatable)")
     r.set_defaults(fn=cmd_roofline)
 
