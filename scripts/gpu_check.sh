@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Everything GPU-specific in one go (the GPU issue), sized by estimate to finish in about 7 minutes
-# on one H200: the timeouts below sum to 420 s, and every step keeps what it measured if killed.
+# Everything GPU-specific in one go (the GPU issue), sized by estimate to finish in about 8 minutes
+# on one H200: the timeouts below sum to 480 s, and every step keeps what it measured if killed.
 # It has never run on a GPU yet. Results go under $OUT when it is set (the device tool), else
 # runs/gpu-check/. The device tool returns at most 8 files: everything is bundled in one tgz and
 # the main JSON files are copied beside it.
@@ -10,7 +10,8 @@
 # 1. doctor (torch build, NVML name/memory/spec bandwidth)
 # 2. the llama-3.1-8b twin in bf16: decode sweep 1 → 256 with CUDA graphs, "ideal" and "served"
 #    (measured copy bandwidth and bf16 matmul peak inside)                    → figures/reference/
-# 3. batch-1 engine decode, CUDA graphs on and off (--enforce-eager), against transformers
+# 3. batch-1 engine decode, CUDA graphs on and off (--enforce-eager), against transformers; then
+#    through torch.compile (--compile: never run on CUDA yet)
 # 4. 10.4: prefill sweep to 8192, decode beside it, the stall and the chunk trade-off
 #                                                                     → figures/reference/prefill-decode/
 # 5. 10.5: engine decode eager vs graphs at batch 1, 8, 64 (tiny and the 8B twin), sampling at 8k and
@@ -41,6 +42,10 @@ timeout 30 $PY -m minillm bench --model "$MODEL" --dtype "$DTYPE" --new-tokens 6
     --json "$OUT/bench-graphs.json" 2>&1 | tee "$OUT/bench.txt"
 timeout 20 $PY -m minillm bench --model "$MODEL" --dtype "$DTYPE" --new-tokens 64 --repeats 2 \
     --no-transformers --enforce-eager --json "$OUT/bench-eager.json" 2>&1 | tee -a "$OUT/bench.txt"
+
+step "batch-1 engine decode through torch.compile (Inductor/Triton, then graph capture; issue 14)"
+timeout 60 $PY -m minillm bench --model "$MODEL" --dtype "$DTYPE" --new-tokens 64 --repeats 2 \
+    --no-transformers --compile --json "$OUT/bench-compiled.json" 2>&1 | tee -a "$OUT/bench.txt"
 
 step "10.4 prefill vs decode, stall $STALL, chunk trade-off"
 mkdir -p "$OUT/prefill-decode"
