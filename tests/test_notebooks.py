@@ -115,3 +115,22 @@ def test_a_commit_hook_keeps_outputs_out():
     """`pre-commit install` makes every commit strip the notebooks (nbstripout, ids kept)."""
     cfg = (ROOT / ".pre-commit-config.yaml").read_text()
     assert "kynan/nbstripout" in cfg and "id: nbstripout" in cfg and "--keep-id" in cfg
+
+
+def test_core_qa_executes_without_earlier_results(tmp_path, monkeypatch):
+    """Notebook 07 reads the learner's earlier results, else the published ones; with neither (a
+    fresh copy outside the repository: no ../runs, no ../figures/data) it measures small versions."""
+    import shutil
+
+    from nbclient import NotebookClient
+    src = ROOT / "notebooks" / "07_core_qa.ipynb"
+    (tmp_path / "notebooks").mkdir()
+    shutil.copy(src, tmp_path / "notebooks" / src.name)
+    monkeypatch.setenv("MINILLM_FAST", "1")
+    monkeypatch.setenv("MINILLM_FIGURES_DIR", str(tmp_path / "figs"))
+    nb = nbformat.read(tmp_path / "notebooks" / src.name, as_version=4)
+    NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
+                   resources={"metadata": {"path": str(tmp_path / "notebooks")}}).execute()
+    text = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    assert "not saved yet: measured below" in text
+    assert not (tmp_path / "figures").exists()
