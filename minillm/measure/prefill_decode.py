@@ -37,8 +37,11 @@ One new token from ``start = L − 1`` is a decode step at context L: ``prefill_
 which the decode formula leaves out.
 
 MFU = achieved FLOP/s ÷ the measured matmul peak (an n×n×n matmul in the model's dtype).
-MBU = achieved bytes/s ÷ the measured copy bandwidth, which counts bytes **read + written** by a
-large copy (``hardware.measure_copy_bandwidth``).
+MBU = achieved bytes/s ÷ the measured **read** bandwidth (``hardware.measure_read_bandwidth``: a sum
+over a buffer past the last-level cache; a decode step reads its weights and writes almost nothing).
+The copy bandwidth (bytes read + written) is measured and shown beside it, labelled, never the bound.
+Result files written before this change hold the copy figure as ``bandwidth`` (``bandwidth_kind``
+absent: read as "copy").
 
 ``python -m minillm.measure.prefill_decode`` runs everything and writes one JSON (a reference
 run with provenance: host, hardware, versions, command, every sample).
@@ -67,6 +70,7 @@ from minillm.measure.hardware import (
     dtype_bytes,
     dtype_name,
     measure_copy_bandwidth,
+    measure_read_bandwidth,
     measure_matmul_peak,
 )
 from minillm.model.config import ModelConfig
@@ -177,6 +181,16 @@ def kv_transfer_bytes(cfg: ModelConfig, dtype_bytes_: int, tokens: int) -> int:
     return tokens * cfg.kv_bytes_per_token(dtype_bytes_)
 
 
+def bandwidth_words(c: dict) -> str:
+    """The ceilings' bandwidth in words: read (the bound) and copy beside it, or an older file's copy."""
+    if c.get("bandwidth_kind") == "read":
+        out = f"read {c['bandwidth'] / 1e9:.1f} GB/s (the bound)"
+        if c.get("copy_bandwidth"):
+            out += f", copy {c['copy_bandwidth'] / 1e9:.1f} GB/s (read + write)"
+        return out
+    return f"copy {c['bandwidth'] / 1e9:.1f} GB/s (read + write)"
+
+
 def kv_transfer_s(cfg: ModelConfig, dtype_bytes_: int, tokens: int, link_bandwidth: float) -> float:
     return kv_transfer_bytes(cfg, dtype_bytes_, tokens) / link_bandwidth
 
@@ -204,7 +218,7 @@ class RooflineRow:
     achieved_flops: float | None = None     # FLOP/s
     achieved_bw: float | None = None        # bytes/s
     mfu: float | None = None                # achieved_flops / measured matmul peak
-    mbu: float | None = None                # achieved_bw / measured copy bandwidth (read + write)
+    mbu: float | None = None                # achieved_bw / measured read bandwidth
     # the served path: prefill = prefill_start → prefill_end in the trace (prepare + forward +
     # sample), decode = the whole LLMEngine.step(); and the prefill's TTFT (received → first token)
     served_ms: list[float] = field(default_factory=list)
@@ -252,7 +266,7 @@ class PrefillDecodeResult:
     python: str
     command: str
     config: dict
-    ceilings: dict                          # bandwidth (B/s, read + write), peak_flops (FLOP/s), samples
+    ceilings: dict                          # bandwidth (B/s, read), copy_bandwidth, peak_flops (FLOP/s), samples
     ridge_point: float                      # I* = peak / bandwidth, FLOP/byte
     decode_context: int
     prefill: list[RooflineRow]
@@ -278,7 +292,7 @@ class PrefillDecodeResult:
     def table(self) -> str:
         c = self.ceilings
         out = [f"{self.model} {self.dtype} on {self.hardware.get('summary', self.device)}",
-               f"ceilings ({c['source']}): copy {c['bandwidth'] / 1e9:.1f} GB/s (read + write), "
+               f"ceilings ({c['source']}): " + bandwidth_words(c) + ", "
                f"matmul {c['peak_flops'] / 1e9:.1f} GFLOP/s → ridge point I* = {self.ridge_point:.1f} FLOP/byte",
                f"{'phase':<8}{'T or B':>7}{'ms':>10}{'ms/tok':>9}{'tok/s':>10}{'FLOP/B':>9}"
                f"{'GFLOP/s':>10}{'GB/s':>8}{'MFU':>7}{'MBU':>7}"]
@@ -324,7 +338,8 @@ def busy_warnings(result: PrefillDecodeResult | dict) -> list[str]:
     if noisy:
         out.append(f"noisy rows (p90/p10 of the samples > {NOISY_SPREAD}): {', '.join(noisy)}; something else "
                    f"was using the machine, rerun before trusting them")
-    for key, what in (("bandwidth_samples", "copy bandwidth"), ("peak_samples", "matmul peak")):
+    for key, what in (("bandwidth_samples", f"{d.get('ceilings', {}).get('bandwidth_kind', 'copy')} bandwidth"),
+                      ("peak_samples", "matmul peak")):
         xs = d.get("ceilings", {}).get(key) or []
         if len(xs) >= 3:
             _, p10, p90 = _quantiles(list(xs))
@@ -430,12 +445,14 @@ def run_prefill_decode(llm=None, model: str | None = None, device: str | None = 
     context = context or (128 if dev.type == "cpu" else 512)
     hw = describe_hardware(dev)
 
-    bw_m = measure_copy_bandwidth(dev, nbytes=copy_bytes)
+    rd_m = measure_read_bandwidth(dev, copy_bytes)      # a small copy_bytes (tests, fast mode) shrinks both
+    cp_m = measure_copy_bandwidth(dev, nbytes=copy_bytes)
     pk_m = measure_matmul_peak(dev, dt, n=matmul_n)
-    bw, peak = bw_m.value, pk_m.value
-    ceil = {"bandwidth": bw, "peak_flops": peak, "source": "measured",
-            "bandwidth_method": bw_m.method, "peak_method": pk_m.method,
-            "bandwidth_samples": bw_m.samples, "peak_samples": pk_m.samples,
+    bw, peak = rd_m.value, pk_m.value
+    ceil = {"bandwidth": bw, "bandwidth_kind": "read", "copy_bandwidth": cp_m.value, "peak_flops": peak,
+            "source": "measured", "bandwidth_method": rd_m.method, "copy_method": cp_m.method,
+            "peak_method": pk_m.method, "bandwidth_samples": rd_m.samples, "copy_samples": cp_m.samples,
+            "peak_samples": pk_m.samples,
             "spec_bandwidth": hw.spec_bandwidth, "spec_flops": (hw.spec_flops or {}).get(dtype_name(dt))}
 
     bar = None
