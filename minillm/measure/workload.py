@@ -302,13 +302,7 @@ def run_workload(llm, requests: Sequence[WorkloadRequest], arrivals: Sequence[fl
     finally:
         stop.set()
         thread.join()
-        for rid in ids:                      # on error: leave the engine idle and reusable
-            if rid not in done:
-                try:
-                    engine.abort(rid)
-                    engine.pop_finished(rid)
-                except KeyError:
-                    pass
+        _abort_unfinished(engine, ids, done)     # on error: leave the engine idle and reusable
         while True:                          # requests the feeder handed over after the error
             try:
                 item = inbox.get_nowait()
@@ -318,6 +312,18 @@ def run_workload(llm, requests: Sequence[WorkloadRequest], arrivals: Sequence[fl
             "max_tokens": [r.params.max_tokens for r in reqs],
             "last_arrival_s": max(times, default=0.0)}
     return WorkloadResult([done[rid] for rid in ids], times, t0, lag, info)
+
+
+def _abort_unfinished(engine, ids: Sequence[str], done: dict) -> None:
+    """Abort and drop every request of ``ids`` not in ``done``: after an error the engine is left
+    idle and reusable."""
+    for rid in ids:
+        if rid not in done:
+            try:
+                engine.abort(rid)
+                engine.pop_finished(rid)
+            except KeyError:
+                pass
 
 
 # ---------------------------------------------------------------------------------------------
@@ -375,13 +381,7 @@ def run_closed_loop(llm, requests: Sequence[WorkloadRequest], concurrency: int,
                     if nxt < len(reqs):
                         send()
     finally:
-        for rid in ids:
-            if rid not in done:
-                try:
-                    engine.abort(rid)
-                    engine.pop_finished(rid)
-                except KeyError:
-                    pass
+        _abort_unfinished(engine, ids, done)
     info = {"n_requests": len(reqs), "closed_loop_concurrency": concurrency,
             "prompt_tokens": [len(p) for p in prompts], "max_tokens": [r.params.max_tokens for r in reqs]}
     return WorkloadResult([done[rid] for rid in ids], sent, t0, [0.0] * len(reqs), info)
