@@ -22,9 +22,19 @@ def test_without_llama_cpp_the_peer_is_unavailable_not_an_error(monkeypatch):
         assert p.achieved_bw == pytest.approx(p.tok_s * rep.bytes_per_step)
         assert p.pct_of_read_bw == pytest.approx(p.achieved_bw / rep.read_bw)
     assert rep.read_bw > 0 and rep.copy_bw > 0
+    # the same weights, greedy: transformers continues the prompt exactly as minillm does
+    assert len(mini.tokens) == len(hf.tokens) == 4 and mini.same_tokens == 4
+    assert hf.tokens == mini.tokens and hf.same_tokens == 4 and lc.same_tokens is None
     text = rep.table()
     assert "unavailable: llama-cpp-python" in text and "% of read BW" in text and "min–max" in text
     assert "measured read bandwidth" in text and "copy bandwidth" in text and "minillm / transformers" in text
+    assert "same tokens" in text and "4/4" in text
+
+
+def test_leading_agreement_counts_until_the_first_difference():
+    assert peers.leading_agreement([1, 2, 3, 4], [1, 2, 9, 4]) == 2
+    assert peers.leading_agreement([5, 6], [5, 6, 7]) == 2
+    assert peers.leading_agreement([1], [2]) == 0
 
 
 def test_permutation_for_gguf_pairs_the_rotated_halves():
@@ -80,3 +90,29 @@ def test_transformers_reads_our_gguf_back_as_the_same_weights(tmp_path, kind):
     sd = m.hf_state_dict()
     assert set(out["tensors"]) == set(sd)
     assert all(torch.equal(torch.as_tensor(out["tensors"][k]), sd[k]) for k in sd)
+
+
+def test_every_peer_continues_a_checkpoint_with_the_same_greedy_tokens(tmp_path):
+    """An independent check of the GGUF converter and of the comparison itself: a tiny random
+    Llama saved by transformers, decoded by all three engines. The logits are made peaked (greedy
+    never hinges on a rounding tie) and attention sharp (q, k ×6, v ×4): with the weights as
+    drawn, attention barely moves the argmax, and a converter that forgot llama.cpp's q/k
+    permutation still gave the same tokens; with these it diverges at token 6."""
+    pytest.importorskip("gguf", reason="the gguf package is an optional extra (bench --peers)")
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is an optional extra (bench --peers)")
+    from hf_reference import make_hf_model
+    from minillm.engine.tokenizer import load_tokenizer
+    model = make_hf_model("llama", tmp_path, vocab=512, seed=3, eos=None)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40)
+        for layer in model.model.layers:
+            for proj, scale in (("q_proj", 6), ("k_proj", 6), ("v_proj", 4)):
+                getattr(layer.self_attn, proj).weight.mul_(scale)
+    model.save_pretrained(tmp_path)
+    load_tokenizer(None).save_pretrained(str(tmp_path))
+    rep = peers.run_peers(str(tmp_path), device="cpu", dtype="fp32", prompt_tokens=8, new_tokens=12, rounds=1,
+                          copy_bytes=8 * 2**20)
+    mini, hf, lc = rep.peers
+    assert all(p.status == "ok" for p in rep.peers), [p.status for p in rep.peers]
+    assert len(mini.tokens) == 12 and len(set(mini.tokens)) > 1        # not a single repeated token
+    assert hf.same_tokens == 12 and lc.same_tokens == 12, (mini.tokens, hf.tokens, lc.tokens)

@@ -96,12 +96,13 @@ class ModelRunner:
         self.compile_s: dict[tuple[int, int], float] = {}      # bucket → first step's time (compile + run)
         self._compiled = None
         if compile:
-            from minillm.engine.compiled import compile_step, compile_unavailable
+            from minillm.engine.compiled import compile_step, compile_unavailable, inductor_options
             why = compile_unavailable(self.device)
             if why:
                 raise ValueError(f"compile=True, but torch.compile cannot run here: {why}")
             kv_buckets = max(1, cache.max_len.bit_length() - 3)          # 16, 32, … max_len
-            self._compiled = compile_step(self._static_step, len(self.row_buckets) * kv_buckets + 4)
+            self._compiled = compile_step(self._static_step, len(self.row_buckets) * kv_buckets + 4,
+                                          inductor_options(self.device, model.dtype))
         self.static_decode = self.use_cuda_graphs or compile   # tests turn it on for the CPU
 
     # ------------------------------------------------------------------ one step

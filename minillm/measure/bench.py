@@ -143,19 +143,21 @@ class _TokenClock:
 
 
 @torch.inference_mode()
-def _transformers_decode_tok_s(hf, prompt_ids: list[int], new_tokens: int, device) -> float:
+def _transformers_decode_tok_s(hf, prompt_ids: list[int], new_tokens: int, device,
+                               with_tokens: bool = False) -> float | tuple[float, list[int]]:
     """Decode rate of ``generate``, measured as minillm's TPOT is: from the first new token to the
     last, (N − 1) steps. (Subtracting a 1-token run from an N-token run, as this did before, can
     come out ≤ 0 on a busy machine with a small model.)"""
     x = torch.tensor([prompt_ids], device=device)
     clock = _TokenClock()
     synchronize(device)
-    hf.generate(x, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-                streamer=clock)
+    out = hf.generate(x, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                      streamer=clock)
     ts = clock.stamps
     if len(ts) < 2:
         raise RuntimeError(f"generate produced {len(ts)} tokens; decode needs at least 2")
-    return (len(ts) - 1) / max(ts[-1] - ts[0], 1e-9)
+    tok_s = (len(ts) - 1) / max(ts[-1] - ts[0], 1e-9)
+    return (tok_s, out[0, len(prompt_ids):].tolist()) if with_tokens else tok_s
 
 
 def summarise(name: str, samples: list[float], bytes_step: int) -> DecodeResult:

@@ -6,7 +6,10 @@ engine once, in an order rotated from round to round, so a slow minute of the ma
 every engine alike (chapter 10.6). Each engine's tok/s is reported as the median over the
 rounds with its min–max and spread, with the achieved bandwidth (bytes a decode step reads ×
 tok/s: the same bytes for every engine, since the weights and dtype are the same) and its share
-of the measured *read* bandwidth, the ceiling of a decode step.
+of the measured *read* bandwidth, the ceiling of a decode step. A speed is only comparable if the
+engines computed the same thing: each engine's greedy continuation is compared with minillm's, and
+the table prints how many leading tokens agree (rounding differs between kernels, so two close
+logits can swap after a while on random weights; a mismatch at token 1 would mean a wrong model).
 
 - ``transformers`` always runs: ``to_transformers`` hands it minillm's own weights (views, no copy).
 - llama.cpp runs through the ``llama-cpp-python`` package (an optional extra: it builds
@@ -48,6 +51,8 @@ class PeerResult:
     achieved_bw: float | None = None             # bytes/s at the median
     pct_of_read_bw: float | None = None          # achieved_bw / measured read bandwidth
     note: str = ""                               # what exactly ran (e.g. the GGUF type, threads)
+    tokens: list[int] = field(default_factory=list)   # the greedy continuation of the last round
+    same_tokens: int | None = None               # leading tokens equal to minillm's (eager) continuation
 
 
 @dataclass
@@ -71,17 +76,20 @@ class PeerReport:
         return next(p for p in self.peers if p.name == name)
 
     def table(self) -> str:
+        n = self.new_tokens
         lines = [f"model {self.model} ({self.dtype}) on {self.device}; batch 1, prompt {self.prompt_tokens} tokens, "
                  f"{self.new_tokens} new tokens; {self.rounds} rounds, the engines interleaved (order rotated "
                  f"each round); {self.threads} threads each",
                  *ceiling_lines(self.bytes_per_step, self.read_bw, self.copy_bw),
-                 f"{'engine':<22}{'tok/s':>8}{'min–max':>15}{'spread':>8}{'GB/s':>8}{'% of read BW':>14}"]
+                 f"{'engine':<22}{'tok/s':>8}{'min–max':>15}{'spread':>8}{'GB/s':>8}{'% of read BW':>14}"
+                 f"{'same tokens':>13}"]
         for p in self.peers:
             if p.status != "ok":
                 lines.append(f"{p.name:<22}{p.status}")
                 continue
             lines.append(f"{p.name:<22}{p.tok_s:>8.1f}{f'{p.tok_s_min:.1f}–{p.tok_s_max:.1f}':>15}"
-                         f"{100 * p.spread:>7.0f}%{p.achieved_bw / 1e9:>8.1f}{100 * p.pct_of_read_bw:>13.0f}%")
+                         f"{100 * p.spread:>7.0f}%{p.achieved_bw / 1e9:>8.1f}{100 * p.pct_of_read_bw:>13.0f}%"
+                         f"{'—' if p.same_tokens is None else f'{p.same_tokens}/{n}':>13}")
         for p in self.peers:
             if p.note and p.status == "ok":
                 lines.append(f"  {p.name}: {p.note}")
@@ -103,10 +111,22 @@ def _finish(p: PeerResult, bytes_step: int, read_bw: float) -> PeerResult:
     return p
 
 
+def leading_agreement(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two continuations share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 # ------------------------------------------------------------------------------ the engines
 class _Engine:
+    """``decode_tok_s`` times one greedy decode and leaves the generated ids in ``tokens``."""
     name = "engine"
     note = ""
+    tokens: list[int] = []
 
     def setup(self) -> None: ...
 
@@ -131,8 +151,10 @@ class MinillmEngine(_Engine):
                 f"bucket(s), paid in the warm-up before the timed rounds")
 
     def decode_tok_s(self, prompt, new_tokens):
-        from minillm.measure.bench import _minillm_decode_tok_s
-        return _minillm_decode_tok_s(self.llm, prompt, new_tokens)
+        from minillm.engine.sampling import SamplingParams
+        out = self.llm.generate([prompt], SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True))[0]
+        self.tokens = out.token_ids
+        return 1.0 / out.metrics.tpot_s
 
 
 class TransformersEngine(_Engine):
@@ -150,7 +172,9 @@ class TransformersEngine(_Engine):
 
     def decode_tok_s(self, prompt, new_tokens):
         from minillm.measure.bench import _transformers_decode_tok_s
-        return _transformers_decode_tok_s(self.hf, prompt, new_tokens, self.model.device)
+        tok_s, self.tokens = _transformers_decode_tok_s(self.hf, prompt, new_tokens, self.model.device,
+                                                        with_tokens=True)
+        return tok_s
 
     def close(self):
         self.hf = None
@@ -211,13 +235,14 @@ class LlamaCppEngine(_Engine):
         llm.reset()                                  # no prefix reuse between rounds: a fresh prefill
         gen = llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True)
         try:
-            next(gen)                                # prefill + the first token
+            tokens = [next(gen)]                     # prefill + the first token
             t0 = time.perf_counter()
             for _ in range(new_tokens - 1):
-                next(gen)                            # one decode step each
+                tokens.append(next(gen))             # one decode step each
             dt = time.perf_counter() - t0
         finally:
             gen.close()
+        self.tokens = [int(t) for t in tokens]
         return (new_tokens - 1) / max(dt, 1e-9)
 
     def close(self):
@@ -461,7 +486,12 @@ def run_peers(model: str = "cpu-small", device: str | None = None, dtype: str | 
     finally:
         for e in candidates:
             results[e.name].note = e.note
+            results[e.name].tokens = list(e.tokens)
             e.close()
     peers = [_finish(results[e.name], bytes_step, read_bw) for e in candidates]
+    reference = results["minillm"].tokens if "minillm" in results else []
+    for p in peers:
+        if p.status == "ok" and reference and p.tokens:
+            p.same_tokens = leading_agreement(reference, p.tokens)
     return PeerReport(str(model), str(dev), dtype_name(dt), prompt_tokens, new_tokens, rounds, read_bw, copy_bw,
                       bytes_step, threads, peers)
