@@ -84,15 +84,24 @@ def inductor_options(device: torch.device | str, dtype: torch.dtype) -> dict:
     return options
 
 
-def compile_step(fn: Callable, max_buckets: int, options: dict | None = None) -> Callable:
+def compiling(device: torch.device | str, dtype: torch.dtype):
+    """A context in which a bucket's first step compiles with ``inductor_options``. They are set
+    for the whole call, not passed as ``torch.compile(options=...)``: freezing must already be on
+    while TorchDynamo traces (it then keeps the weights as constants instead of graph inputs),
+    and ``options`` reach Inductor only after tracing. Later steps replay the compiled code and
+    need no setting (a patch costs about 20 µs, so it is not paid every step)."""
+    import torch._inductor.config
+    return torch._inductor.config.patch(inductor_options(device, dtype))
+
+
+def compile_step(fn: Callable, max_buckets: int) -> Callable:
     """``torch.compile(fn)`` with static shapes: one graph per decode bucket. TorchDynamo keeps at
     most ``recompile_limit`` graphs per function (8 by default) and then silently runs eager;
-    the runner has up to ``max_buckets`` buckets, so the limit is raised to cover them.
-    ``options``: Inductor settings (``inductor_options``)."""
+    the runner has up to ``max_buckets`` buckets, so the limit is raised to cover them."""
     import torch._dynamo
     cfg = torch._dynamo.config
     if hasattr(cfg, "recompile_limit"):
         cfg.recompile_limit = max(cfg.recompile_limit, max_buckets)
     else:                                     # older torch: the same setting's old name
         cfg.cache_size_limit = max(cfg.cache_size_limit, max_buckets)
-    return torch.compile(fn, dynamic=False, options=options or None)
+    return torch.compile(fn, dynamic=False)

@@ -20,6 +20,7 @@ pays the compilation, kept in ``compile_s`` and that step's ``StepRecord.compile
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -96,13 +97,12 @@ class ModelRunner:
         self.compile_s: dict[tuple[int, int], float] = {}      # bucket → first step's time (compile + run)
         self._compiled = None
         if compile:
-            from minillm.engine.compiled import compile_step, compile_unavailable, inductor_options
+            from minillm.engine.compiled import compile_step, compile_unavailable
             why = compile_unavailable(self.device)
             if why:
                 raise ValueError(f"compile=True, but torch.compile cannot run here: {why}")
             kv_buckets = max(1, cache.max_len.bit_length() - 3)          # 16, 32, … max_len
-            self._compiled = compile_step(self._static_step, len(self.row_buckets) * kv_buckets + 4,
-                                          inductor_options(self.device, model.dtype))
+            self._compiled = compile_step(self._static_step, len(self.row_buckets) * kv_buckets + 4)
         self.static_decode = self.use_cuda_graphs or compile   # tests turn it on for the CPU
 
     # ------------------------------------------------------------------ one step
@@ -213,16 +213,21 @@ class ModelRunner:
         self.backend.begin(sd.meta)
         return self.model.forward_packed(sd.tokens, sd.positions, self.backend, sd.logits_index)  # [rows, V]
 
+    def _compiling(self):
+        from minillm.engine.compiled import compiling
+        return compiling(self.device, self.model.dtype)
+
     def _run_static(self, sd: StaticDecode, rec: StepRecord | None = None) -> torch.Tensor:
         step = self._compiled or self._static_step
         key = (sd.rows, sd.kv_len)
         first = self.compile and key not in self.compile_s
         t0 = time.perf_counter()
-        if not self.use_cuda_graphs:
-            out = step(sd)
-        else:
-            replay = self.graphs.graphs.get(key) or self.graphs.capture(key, lambda: step(sd))
-            out = replay()
+        with self._compiling() if first else contextlib.nullcontext():
+            if not self.use_cuda_graphs:
+                out = step(sd)
+            else:
+                replay = self.graphs.graphs.get(key) or self.graphs.capture(key, lambda: step(sd))
+                out = replay()
         if first:       # the bucket's first step: compilation (and capture on CUDA) included
             synchronize(self.device)
             self.compile_s[key] = time.perf_counter() - t0

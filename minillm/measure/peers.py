@@ -94,10 +94,11 @@ class PeerReport:
             if p.note and p.status == "ok":
                 lines.append(f"  {p.name}: {p.note}")
         ok = {p.name: p for p in self.peers if p.status == "ok"}
-        base = ok.get("minillm")
-        for name, p in ok.items():
-            if base is not None and p is not base:
-                lines.append(f"minillm / {name} = {base.tok_s / p.tok_s:.2f}× (medians)")
+        ours = [p for n, p in ok.items() if n.startswith("minillm")]
+        for i, base in enumerate(ours):    # each minillm variant against every engine after it
+            for name, p in ok.items():
+                if not any(p is q for q in ours[:i + 1]):
+                    lines.append(f"{base.name} / {name} = {base.tok_s / p.tok_s:.2f}× (medians)")
         return "\n".join(lines)
 
 
