@@ -77,3 +77,34 @@ def test_compile_refused_with_the_reason_when_unavailable(monkeypatch):
                       compile=True)
     finally:
         compiled._cxx_compiler.cache_clear()
+
+
+def test_one_compiled_graph_per_row_bucket_whatever_the_kv_length():
+    """Decoding past 16 and 32 cached tokens moves through three K/V-length buckets; on a CPU the
+    K/V length is a dynamic size, so the row bucket compiles once and the tokens stay eager's."""
+    from torch._dynamo.utils import counters
+    from minillm.engine.engine import LLMEngine
+    from minillm.engine.sampling import SamplingParams
+    from minillm.engine.tokenizer import load_tokenizer
+    from minillm.model.config import ModelConfig
+    from minillm.model.loader import load_model
+    cfg = ModelConfig(name="tiny-2l", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+                      num_heads=4, num_kv_heads=2, max_position_embeddings=128)
+    model = load_model(cfg, device="cpu", dtype="fp32", seed=5)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40)
+    tok = load_tokenizer(None)
+    prompt, params = list(range(3, 15)), SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    outs, kv_lens = [], []
+    for compile in (False, True):
+        eng = LLMEngine(model, tok, max_batch_size=1, max_model_len=64, compile=compile)
+        counters.clear()
+        rid = eng.add_request(prompt, params)
+        while not eng.get(rid).finished:
+            eng.step()
+        outs.append(eng.output_of(eng.pop_finished(rid)).token_ids)
+        kv_lens = sorted({r.bucket[1] for r in eng.step_history if r.bucket})
+    assert outs[1] == outs[0] and len(set(outs[0])) > 2
+    assert kv_lens == [16, 32, 64]                                  # three K/V-length buckets were used
+    assert list(eng.runner.compile_s) == [(1, 16)]                  # and one compilation served them
+    assert counters["stats"]["unique_graphs"] == 1

@@ -44,6 +44,9 @@ class AttentionMetadata:
     decode_len: int = 0                     # max K/V length among decode rows (sets the read width)
     decode_slots: torch.Tensor | tuple[int, int] | None = None   # [B] or a contiguous range (a, b)
     decode_lens: torch.Tensor | None = None  # [B] per-row K/V length; None = all equal to decode_len
+    # [decode_len] positions 0..L-1 held in a buffer (the static decode): the read width is then a
+    # tensor's size, which a compiled step can treat as dynamic instead of compiling every L
+    decode_pos: torch.Tensor | None = None
     prefill: list[PrefillChunk] = field(default_factory=list)
     # derived by AttentionBackend.begin (shared by every layer):
     decode_locs: torch.Tensor | None = None   # [B, decode_len] flat locations, zero row where absent
@@ -93,7 +96,8 @@ class AttentionBackend:
         host sync: inside a CUDA graph this is captured and replayed with the step's data."""
         if meta.decode_lens is not None:
             c = self.cache
-            pos = torch.arange(meta.decode_len, device=meta.decode_lens.device)          # [L]
+            pos = meta.decode_pos if meta.decode_pos is not None else torch.arange(
+                meta.decode_len, device=meta.decode_lens.device)                          # [L]
             valid = pos[None, :] < meta.decode_lens[:, None]                              # [B, L]
             locs = meta.decode_slots[:, None] * c.max_len + pos[None, :]                  # [B, L]
             meta.decode_locs = torch.where(valid, locs, torch.full_like(locs, c.zero_loc))

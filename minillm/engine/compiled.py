@@ -104,4 +104,4 @@ def compile_step(fn: Callable, max_buckets: int) -> Callable:
         cfg.recompile_limit = max(cfg.recompile_limit, max_buckets)
     else:                                     # older torch: the same setting's old name
         cfg.cache_size_limit = max(cfg.cache_size_limit, max_buckets)
-    return torch.compile(fn, dynamic=False)
+    return torch.compile(fn, dynamic=False, options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})

@@ -14,9 +14,11 @@ lengths held as data and padding rows pointed at the cache's reserved slot. On C
 bucket is captured once as a CUDA graph and replayed (off with ``enforce_eager``); on a CPU the
 same static path runs eagerly, which is how the tests pin it against the dynamic one.
 
-With ``compile`` (``EngineConfig.compile``), decode steps always take the static path and each
-bucket's step is ``torch.compile``d (``minillm.engine.compiled``); the first step of a bucket
-pays the compilation, kept in ``compile_s`` and that step's ``StepRecord.compile_ms``.
+With ``compile`` (``EngineConfig.compile``), decode steps always take the static path and the
+step is ``torch.compile``d (``minillm.engine.compiled``): on a CPU one graph per row bucket (the
+K/V length is a dynamic size), on CUDA one per bucket (each is captured as a CUDA graph). The
+step that builds a graph pays the compilation, kept in ``compile_s`` (by bucket) and in that
+step's ``StepRecord.compile_ms``.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import logging
 import time
 
 import torch
+import torch._dynamo
 
 from minillm.engine.attention import AttentionBackend, AttentionMetadata, build_metadata
 from minillm.engine.cuda_graphs import GraphPool
@@ -60,8 +63,9 @@ class StaticDecode:
         z = lambda: torch.zeros(rows, dtype=torch.long, device=device)   # noqa: E731
         self.tokens, self.positions, self.write_loc, self.slots, self.lens = z(), z(), z(), z(), z()
         self.logits_index = torch.arange(rows, device=device)
+        self.kv_pos = torch.arange(kv_len, device=device)                    # [kv_len]
         self.meta = AttentionMetadata(write_loc=self.write_loc, num_decode=rows, decode_len=kv_len,
-                                      decode_slots=self.slots, decode_lens=self.lens)
+                                      decode_slots=self.slots, decode_lens=self.lens, decode_pos=self.kv_pos)
         self.cache = cache
 
     def prepare_for_replay(self, tokens: list[int], slots: list[int], cached: list[int]) -> None:
@@ -95,6 +99,7 @@ class ModelRunner:
         # torch.compile of the static decode (one graph per bucket); eager is the default
         self.compile = compile
         self.compile_s: dict[tuple[int, int], float] = {}      # bucket → first step's time (compile + run)
+        self._graphs_built: set = set()
         self._compiled = None
         if compile:
             from minillm.engine.compiled import compile_step, compile_unavailable
@@ -204,7 +209,12 @@ class ModelRunner:
         L = min(L, self.cache.max_len)
         key = (B, L)
         if key not in self._static:
-            self._static[key] = StaticDecode(self.cache, B, L, self.device)
+            sd = self._static[key] = StaticDecode(self.cache, B, L, self.device)
+            if self.compile and not self.use_cuda_graphs:
+                # One compiled graph per row bucket, whatever the K/V length: L is the size of
+                # ``kv_pos``, marked dynamic. Without it every (rows, L) bucket compiled its own
+                # graph, and with frozen weights (bf16) each held its own packed copy of them.
+                torch._dynamo.mark_dynamic(sd.kv_pos, 0)
         return self._static[key]
 
     def _static_step(self, sd: StaticDecode) -> torch.Tensor:
@@ -220,7 +230,11 @@ class ModelRunner:
     def _run_static(self, sd: StaticDecode, rec: StepRecord | None = None) -> torch.Tensor:
         step = self._compiled or self._static_step
         key = (sd.rows, sd.kv_len)
-        first = self.compile and key not in self.compile_s
+        # what a new compilation (or capture) serves: a CUDA graph per bucket, a CPU graph per row count
+        graph = key if self.use_cuda_graphs else sd.rows
+        first = self.compile and graph not in self._graphs_built
+        if first:
+            self._graphs_built.add(graph)
         t0 = time.perf_counter()
         with self._compiling() if first else contextlib.nullcontext():
             if not self.use_cuda_graphs:
