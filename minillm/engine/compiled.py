@@ -95,13 +95,21 @@ def compiling(device: torch.device | str, dtype: torch.dtype):
 
 
 def compile_step(fn: Callable, max_buckets: int) -> Callable:
-    """``torch.compile(fn)`` with static shapes: one graph per decode bucket. TorchDynamo keeps at
-    most ``recompile_limit`` graphs per function (8 by default) and then silently runs eager;
-    the runner has up to ``max_buckets`` buckets, so the limit is raised to cover them."""
+    """``torch.compile(fn)`` with static shapes, except what the runner marks dynamic (the K/V
+    length on a CPU): one graph per decode bucket. TorchDynamo keeps at most ``recompile_limit``
+    graphs per function (8 by default) and then silently runs eager; the runner has up to
+    ``max_buckets`` buckets, so the limit is raised to cover them.
+
+    Guards: before each call TorchDynamo checks that what it traced still holds. Checking every
+    weight and module attribute of the model cost about 0.29 ms per step (2 % of a batch-1 fp32
+    step on ``cpu-small``); the model is never modified once an engine runs, so those guards are
+    dropped (``skip_guard_on_all_nn_modules_unsafe``, 0.08 ms). Guards on the step's own inputs,
+    the bucket's buffers and the cache, stay."""
     import torch._dynamo
     cfg = torch._dynamo.config
     if hasattr(cfg, "recompile_limit"):
         cfg.recompile_limit = max(cfg.recompile_limit, max_buckets)
     else:                                     # older torch: the same setting's old name
         cfg.cache_size_limit = max(cfg.cache_size_limit, max_buckets)
-    return torch.compile(fn, dynamic=False, options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+    return torch.compile(fn, dynamic=False,
+                         options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
