@@ -9,7 +9,7 @@
 #
 # 1. doctor (torch build, NVML name/memory/spec bandwidth)
 # 2. the llama-3.1-8b twin in bf16: decode sweep 1 → 256 with CUDA graphs, "ideal" and "served"
-#    (measured copy bandwidth and bf16 matmul peak inside)                    → figures/reference/
+#    (measured read and copy bandwidth, bf16 matmul peak inside)              → figures/reference/
 # 3. batch-1 engine decode, CUDA graphs on and off (--enforce-eager), against transformers; then
 #    through torch.compile (--compile: never run on CUDA yet)
 # 4. 10.4: prefill sweep to 8192, decode beside it, the stall and the chunk trade-off

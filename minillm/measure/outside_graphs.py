@@ -8,7 +8,8 @@ both ways.
 
 For each model × batch × mode this measures ``LLMEngine.step()`` on a running batch at a fixed
 context (the 10.3 sweep's set-up): tok/s = batch ÷ median step time, the share of the bandwidth
-bound (B·BW ÷ (W + B·L·k), with this machine's measured copy bandwidth), and, from
+bound (B·BW ÷ (W + B·L·k), with this machine's measured *read* bandwidth: decode reads its
+weights and cache, as in 10.3), and, from
 ``profile_steps``, the device-busy share and the launches per step.
 
 It needs CUDA: on a CPU every operator runs as it is issued and there is nothing to capture. The
@@ -52,7 +53,7 @@ class GraphsResult:
     hardware: str
     dtype: str
     bandwidth: float                       # B/s used for the bound
-    bandwidth_source: str                  # "measured copy" or "given"
+    bandwidth_source: str                  # "measured read", "given" (or "measured copy" in older results)
     context: int
     steps: int
     warmup: int
@@ -115,7 +116,7 @@ def run_graphs_comparison(models: tuple[str, ...] | list[str] = ("tiny", "llama-
         describe_hardware,
         dtype_bytes,
         dtype_name,
-        measure_copy_bandwidth,
+        measure_read_bandwidth,
         parse_dtype,
         pick_device,
     )
@@ -130,7 +131,7 @@ def run_graphs_comparison(models: tuple[str, ...] | list[str] = ("tiny", "llama-
                            f"instead, and a GPU reference run when there is one)")
     t_start = time.time()
     dt = parse_dtype(dtype) if dtype else default_dtype(dev)
-    bw = bandwidth or measure_copy_bandwidth(dev).value
+    bw = bandwidth or measure_read_bandwidth(dev).value
     tok = load_tokenizer(None)
     rows: list[GraphsRow] = []
     for name in models:
@@ -168,7 +169,7 @@ def run_graphs_comparison(models: tuple[str, ...] | list[str] = ("tiny", "llama-
         del m
         torch.cuda.empty_cache()
     return GraphsResult(device=str(dev), hardware=describe_hardware(dev).summary(), dtype=dtype_name(dt), bandwidth=bw,
-                        bandwidth_source="given" if bandwidth else "measured copy", context=context, steps=steps,
+                        bandwidth_source="given" if bandwidth else "measured read", context=context, steps=steps,
                         warmup=warmup, rows=rows, host=socket.gethostname(),
                         started=time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t_start)),
                         duration_s=time.time() - t_start, command=command or "run_graphs_comparison(...)",
