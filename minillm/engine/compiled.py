@@ -26,9 +26,13 @@ Inductor's settings on a CPU (``inductor_options``) were chosen by measurement: 
   reads half the bytes: torch's one-row bf16 matmul runs at about 14 GB/s, while fp32's
   reaches 27 (the bf16 kernel is limited by its arithmetic, not by memory). Measured, compiled
   bf16: 62.3 tok/s plain, 82.1 frozen (oneDNN's pre-packed bf16 kernels), 89.9 frozen with the
-  C++ wrapper, 115.0 with max-autotune; the same greedy tokens every time. The price: a
-  first compile of about a minute (the GEMMs are benchmarked), and the frozen weights are a
-  second copy of the model in memory beside the eager one that prefill uses.
+  C++ wrapper, 115.0 with max-autotune, 125.1 once the K/V length became dynamic (one graph
+  per row bucket; the runner); the same greedy tokens every time. In ``bench --peers`` (7
+  rounds, interleaved): 143.9 tok/s, 80 % of the read bandwidth, 1.25× llama.cpp's BF16.
+  The price: a first compile of about 25 s (the GEMMs are benchmarked; Inductor prints the
+  timings), and each compiled row bucket holds a pre-packed copy of the weights beside the
+  eager ones that prefill uses (measured: +293 MB of RSS for ``cpu-small``, then flat while
+  the K/V length grew through four buckets).
 - fp32 is not frozen: there the pre-packed oneDNN kernel was slower than MKL's (62.9 against
   66.8 tok/s) and the C++ template did not beat MKL either (67.2 against 69.4).
 """
