@@ -86,11 +86,12 @@ def _pct(x: float, of: float | None) -> str:
     return f"{100 * x / of:.0f}%" if of else "-"
 
 
-def _minillm_decode_tok_s(llm, prompt_ids: list[int], new_tokens: int) -> float:
+def _minillm_decode_tok_s(llm, prompt_ids: list[int], new_tokens: int,
+                          with_tokens: bool = False) -> float | tuple[float, list[int]]:
     from minillm.engine.sampling import SamplingParams
     out = llm.generate([prompt_ids], SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True))[0]
-    m = out.metrics
-    return 1.0 / m.tpot_s
+    tok_s = 1.0 / out.metrics.tpot_s
+    return (tok_s, out.token_ids) if with_tokens else tok_s
 
 
 def to_transformers(model) -> torch.nn.Module:

@@ -152,10 +152,9 @@ class MinillmEngine(_Engine):
                 f"bucket(s), paid in the warm-up before the timed rounds")
 
     def decode_tok_s(self, prompt, new_tokens):
-        from minillm.engine.sampling import SamplingParams
-        out = self.llm.generate([prompt], SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True))[0]
-        self.tokens = out.token_ids
-        return 1.0 / out.metrics.tpot_s
+        from minillm.measure.bench import _minillm_decode_tok_s
+        tok_s, self.tokens = _minillm_decode_tok_s(self.llm, prompt, new_tokens, with_tokens=True)
+        return tok_s
 
 
 class TransformersEngine(_Engine):
