@@ -359,13 +359,19 @@ def test_a_live_server_over_http(tmp_path, capsys):
         assert len(items) == 8 and len({it["request_id"] for it in items}) == 8
         d, fetched = dg.diagnose_server(srv.url + "/v1", key, page_size=3)
         assert d.n_completed == 8 and d.n_steps > 0, d.text()
-        assert d.cause == START_LATE and d.stage == "queue", d.text()
+        # 6 of 8 must queue: that finding is structural. Whether it is also the verdict depends on
+        # the machine: a pause of the whole process (the CI once had a 322 ms one, a full garbage
+        # collection of the test process's heap) can lose more time than the queue and lead.
+        start = d.finding(START_LATE)
+        assert start.fired and start.cause == "queue", d.text()
+        assert d.cause == START_LATE or f"also: {start.headline}" in d.text(), d.text()
         assert len(fetched["traces"]) == 8 and fetched["steps"]
         # the command line against the same server, saving what it fetched
         save = tmp_path / "fetched.json"
         a = parse(["diagnose", "--base-url", srv.url, "--api-key", key, "--save", str(save)])
         assert a.fn(a) == 0
-        assert capsys.readouterr().out.startswith("verdict: starts late: queue")
+        out = capsys.readouterr().out
+        assert out.startswith("verdict: ") and "starts late: queue" in out, out   # the verdict or an "also:"
         tr, st = dg.load_input(save)
         assert len(tr) == 8 and st
     finally:

@@ -26,6 +26,7 @@ from minillm.engine.runner import ModelRunner
 from minillm.engine.sampling import SamplingParams, TokenLogprobs, make_generator
 from minillm.engine.scheduler import ScheduledBatch, Scheduler
 from minillm.engine.sequence import Sequence
+from minillm.engine.gc_pauses import GC_CLOCK
 from minillm.engine.step_record import StepHistory, StepRecord
 from minillm.engine.tokenizer import encode_prompt
 from minillm.measure.hardware import free_memory_bytes
@@ -197,6 +198,7 @@ class LLMEngine:
         self._check_thread()
         with self._lock:
             rec = StepRecord(next(self._steps), now_ns())
+            gc_start_ns = GC_CLOCK.now_ns()
             batch = self.scheduler.schedule()
             if batch is None:
                 return []
@@ -207,6 +209,7 @@ class LLMEngine:
                 token_ids, logprobs = self.runner.execute(batch, rec)
             except Exception as e:   # e.g. out of memory: fail this batch, keep the engine alive
                 rec.error = f"{type(e).__name__}: {e}"
+                rec.gc_ms = (GC_CLOCK.now_ns() - gc_start_ns) / 1e6
                 self.step_history.append(rec)
                 return self._fail_batch(batch, e)
             t = rec.t_ns[-1]
@@ -219,6 +222,7 @@ class LLMEngine:
                 if tok is not None:
                     outs.append(self._append_token(seq, tok, lp, t))
             rec.mark(now_ns())                                                    # outputs processed
+            rec.gc_ms = (GC_CLOCK.now_ns() - gc_start_ns) / 1e6
             self.step_history.append(rec)
             return outs
 

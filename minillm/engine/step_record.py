@@ -13,6 +13,8 @@ The phases are consecutive host timestamps, so they add up to the step's wall ti
   the wait then lands in *sample*, whose host read is the step's one sync);
 - ``device_ms``: the forward's device time from CUDA events (None on a CPU: there the
   forward's wall time is ``forward_issue_ms``).
+- ``gc_ms``: how much of the step's wall time Python's garbage collector held the GIL
+  (:mod:`minillm.engine.gc_pauses`); it sits inside whichever phase it interrupted.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ class StepRecord:
     bucket: tuple[int, int] | None = None   # (rows, K/V length) of the static decode shape
     device_ms: float | None = None
     compile_ms: float | None = None   # this step compiled its decode bucket first (EngineConfig.compile)
+    gc_ms: float = 0.0                # garbage collection during the step (inside its phases)
     error: str | None = None
 
     def mark(self, t_ns: int) -> None:

@@ -61,6 +61,7 @@ START_LATE, STUTTERS, OUTSIDE = "starts late", "stutters", "outside the device"
 HEALTHY, NO_DATA = "healthy", "no data"
 PREFILL_CAUSE = "another request's prefill"
 NO_PREFILL_CAUSE = "pauses without a prefill inside"
+GC_CAUSE = "Python's garbage collector"
 # Stages in which the request waits rather than being worked on (10.1): what a burst inflates.
 _WAIT_STAGES = ("queue",)
 # Stages before the engine sees the request and after it is done with it: the server's own time.
@@ -89,6 +90,8 @@ class Thresholds:
       arrives during a step waits for that one step, not for five (10.1).
     * ``long_gap_ratio`` 3: a gap three times the typical one is a stall a reader notices (10.4).
     * ``prefill_share`` 0.5: when most long gaps hold another request's prefill, that is their cause.
+    * ``gc_share`` 0.5: when garbage collection fills at least half of the long gaps' excess over
+      the p50 gap, the collector is their cause.
     * ``outside_share`` 0.30: the chapter's line for time outside the forward (10.5).
     """
     tail_ratio: float = 3.0
@@ -96,6 +99,7 @@ class Thresholds:
     wait_steps: float = 5.0
     long_gap_ratio: float = 3.0
     prefill_share: float = 0.5
+    gc_share: float = 0.5
     outside_share: float = CHAPTER_OUTSIDE_SHARE
 
 
@@ -400,6 +404,7 @@ class Gap:
     prefills: tuple[str, ...] = ()  # other requests whose prefill (a chunk of it) overlaps the gap
     prefill_steps: int = 0          # step records with prefill tokens inside the gap
     prefill_tokens: int = 0         # their prefill tokens
+    gc_ms: float = 0.0              # garbage collection in the step records inside the gap
 
     @property
     def gap_s(self) -> float:
@@ -454,11 +459,16 @@ def _overlapping(ivs: Sequence[_Interval], starts: list[int], longest: int, t0: 
 def gaps_with_prefills(done: Sequence[RequestMetrics], traces: Sequence[Trace], steps: Sequence[StepRecord],
                        min_gap_s: float = 0.0) -> list[Gap]:
     """The gaps of ``done`` (the ITL sample, from each request's deliveries) of at least
-    ``min_gap_s``, each marked with the other requests' prefills and the prefill steps inside it."""
+    ``min_gap_s``, each marked with the other requests' prefills, the prefill steps and the
+    garbage collection (steps' ``gc_ms``) inside it."""
     ivs = prefill_intervals(traces)
     steps_iv = sorted((_Interval(*_step_window(r), f"step {r.step}", r.num_prefill_tokens)
                        for r in steps if r.num_prefill_tokens > 0), key=lambda iv: iv.start)
-    idx = [(v, [iv.start for iv in v], max((iv.end - iv.start for iv in v), default=0)) for v in (ivs, steps_iv)]
+    gc_iv = sorted((_Interval(*_step_window(r), f"step {r.step}", 0) for r in steps if r.gc_ms > 0),
+                   key=lambda iv: iv.start)
+    gc_ms = {f"step {r.step}": r.gc_ms for r in steps}
+    idx = [(v, [iv.start for iv in v], max((iv.end - iv.start for iv in v), default=0))
+           for v in (ivs, steps_iv, gc_iv)]
     out = []
     for m in done:
         times = [t for t, _ in m.deliveries]
@@ -467,8 +477,9 @@ def gaps_with_prefills(done: Sequence[RequestMetrics], traces: Sequence[Trace], 
                 continue
             pre = [iv for iv in _overlapping(*idx[0], a, b) if iv.owner != m.request_id]
             st = _overlapping(*idx[1], a, b)
+            gc_inside = sum(gc_ms[iv.owner] for iv in _overlapping(*idx[2], a, b))
             out.append(Gap(m.request_id, k, a, b, tuple(sorted({iv.owner for iv in pre})),
-                           len(st), sum(iv.tokens for iv in st)))
+                           len(st), sum(iv.tokens for iv in st), gc_inside))
     return out
 
 
@@ -484,9 +495,11 @@ def check_stutter(done: Sequence[RequestMetrics], s: Summary, traces: Sequence[T
     fired = ratio >= th.tail_ratio and bool(long)
     n_pre = sum(g.holds_prefill for g in long)
     knows_prefills = bool(steps) or any(tr.first("prefill_start") is not None for tr in traces)
-    cause = (PREFILL_CAUSE if long and n_pre >= th.prefill_share * len(long)
-             else NO_PREFILL_CAUSE if knows_prefills else "long gaps")
     lost = sum(g.gap_s - itl.p50 for g in long)
+    gc_s = sum(g.gc_ms for g in long) / 1e3
+    cause = (PREFILL_CAUSE if long and n_pre >= th.prefill_share * len(long)
+             else GC_CAUSE if long and gc_s >= th.gc_share * lost
+             else NO_PREFILL_CAUSE if knows_prefills else "long gaps")
     evidence = [f"ITL p50 {_t(itl.p50)}, p99 {_t(itl.p99)} ({ratio:.1f}× p50), max {_t(itl.max)} "
                 f"over {itl.count} gaps",
                 f"{len(long)} long gaps (≥ {th.long_gap_ratio:g}× p50 = {_t(threshold)}) in "
@@ -500,15 +513,21 @@ def check_stutter(done: Sequence[RequestMetrics], s: Summary, traces: Sequence[T
                         + (f", holding the prefill of {', '.join(worst.prefills[:3])}" if worst.prefills else "")
                         + (f"; {worst.prefill_steps} step(s) with {worst.prefill_tokens} prefill tokens inside"
                            if worst.prefill_steps else ""))
+    if gc_s > 0:
+        evidence.append(f"garbage collection fills {_t(gc_s)} of the long gaps' {_t(lost)} beyond p50 "
+                        f"({_pct(_ratio(gc_s, lost))}; summed gap by gap, from the step records' gc_ms)")
     if not knows_prefills:
         evidence.append("the traces have no prefill events and no step records were given: "
                         "what ran inside the gaps is unknown")
     elif cause == PREFILL_CAUSE:
         evidence.append("a prefill step makes every decoding request wait for it; chunked prefill splits it "
                         "into budget-sized chunks that share steps with the decodes (10.4)")
+    elif cause == GC_CAUSE:
+        evidence.append("a full garbage collection holds the GIL and stops the engine thread mid-step; "
+                        "freezing the start-up heap (gc.freeze(), as `minillm serve` does) keeps it short (10.5)")
     elif long:
         evidence.append("the long gaps hold no prefill: look at the host (sampling, detokenizing, the "
-                        "server's event loop, other processes on the machine; 10.5)")
+                        "server's event loop, the garbage collector, other processes on the machine; 10.5)")
     headline = (f"{STUTTERS}: {cause} (ITL p99 {_t(itl.p99)} = {ratio:.1f}× p50 {_t(itl.p50)}; "
                 f"{n_pre} of {len(long)} long gaps hold another request's prefill)")
     return Finding(STUTTERS, fired, cause if long else None, headline, lost, evidence,
@@ -517,7 +536,7 @@ def check_stutter(done: Sequence[RequestMetrics], s: Summary, traces: Sequence[T
                     "n_long_with_prefill": n_pre,
                     "long_gaps": [{"request_id": g.request_id, "index": g.index, "gap_s": g.gap_s,
                                    "prefills": list(g.prefills), "prefill_steps": g.prefill_steps,
-                                   "prefill_tokens": g.prefill_tokens}
+                                   "prefill_tokens": g.prefill_tokens, "gc_ms": g.gc_ms}
                                   for g in sorted(long, key=lambda g: -g.gap_s)[:20]]})
 
 

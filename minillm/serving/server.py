@@ -49,6 +49,7 @@ import threading
 import time
 from typing import Any
 
+from minillm.engine.gc_pauses import freeze_startup_heap
 from minillm.measure.trace import Trace
 from minillm.serving.app import create_app
 from minillm.serving.config import (  # noqa: F401 (the public names)
@@ -209,6 +210,10 @@ def serve(config: ServerConfig, host: str | None = None, port: int | None = None
         print(warning, file=sys.stderr, flush=True)
     app = create_app(config)
     st: ServingState = app.state.minillm
+    # This process is the server's own: freeze the start-up heap so that full garbage collections,
+    # which stop the engine thread mid-step, skip it (10.5; minillm.engine.gc_pauses).
+    frozen = freeze_startup_heap()
+    log.info("froze %d start-up objects out of the garbage collector's full collections", frozen)
     print(f"minillm serving {st.model_name} ({st.llm.device}, max_model_len {st.engine.max_model_len}, "
           f"{st.engine.cache.num_slots} KV slots, {len(st.auth.key_ids)} API key(s)) at http://{host}:{port}/v1",
           file=sys.stderr, flush=True)

@@ -193,14 +193,18 @@ class ServingState:
 
     def server_info(self) -> dict:
         """What a benchmark report needs to know about this server (design.md §4): the model,
-        its precision, the hardware, the parallel configuration, prefix caching, every engine option."""
+        its precision, the hardware, the parallel configuration, prefix caching, every engine option,
+        and how many start-up objects are frozen out of full garbage collections (0 unless the
+        process is `minillm serve`'s own; minillm.engine.gc_pauses)."""
+        import gc
         from dataclasses import asdict
         from minillm.measure.hardware import describe_hardware, dtype_name
         return {"model": self.model_name, "root": str(self.config.engine.model),
                 "dtype": dtype_name(self.llm.dtype), "device": str(self.llm.device),
                 "hardware": describe_hardware(self.llm.device).summary(), "parallel": "tp=1, pp=1, dp=1",
                 "prefix_caching": self.config.engine.enable_prefix_caching,
-                "engine": asdict(self.config.engine), "max_model_len": self.engine.max_model_len}
+                "engine": asdict(self.config.engine), "max_model_len": self.engine.max_model_len,
+                "gc_frozen_objects": gc.get_freeze_count()}
 
     def render_metrics(self) -> tuple[bytes, str]:
         """``GET /metrics``: the load right now, then every series (Prometheus text format)."""

@@ -1,0 +1,127 @@
+"""Python's garbage collector as a stage of its own (10.5): the clock that adds up its pauses, the
+step records that carry them, and `minillm serve`'s frozen start-up heap."""
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from minillm.engine.gc_pauses import GC_CLOCK, GcClock
+
+
+def test_the_clock_counts_a_collection():
+    gc.disable()                                      # no automatic collection in between
+    try:
+        before_ns, before_n = GC_CLOCK.now_ns(), GC_CLOCK.collections
+        garbage = [[] for _ in range(1000)]
+        for a, b in zip(garbage, garbage[1:]):        # cycles: only the collector frees these
+            a.append(b)
+            b.append(a)
+        del garbage, a, b
+        assert gc.collect() >= 1000
+    finally:
+        gc.enable()
+    assert GC_CLOCK.collections == before_n + 1        # one full collection, stamped start and stop
+    assert GC_CLOCK.now_ns() > before_ns
+
+
+def test_installing_twice_hooks_once():
+    clock = GcClock().install().install()
+    gc.disable()
+    try:
+        assert gc.callbacks.count(clock._callback) == 1
+        gc.collect()
+        assert clock.collections == 1
+    finally:
+        gc.enable()
+        gc.callbacks.remove(clock._callback)
+
+
+def test_a_collection_inside_a_step_lands_in_its_record():
+    from minillm.engine.llm import LLM
+    from minillm.engine.sampling import SamplingParams
+    llm = LLM("tiny", device="cpu", max_batch_size=2)
+    engine = llm.engine
+    real = engine.runner.execute
+    calls = {"n": 0}
+
+    def execute_with_a_collection(batch, rec):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            gc.collect()                              # what an allocation-triggered collection does
+        return real(batch, rec)
+
+    engine.runner.execute = execute_with_a_collection
+    gc.disable()                                      # no collection but ours
+    try:
+        llm.generate(["a prompt"], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    finally:
+        gc.enable()
+    recs = list(engine.step_history)[-5:]
+    assert [r.gc_ms > 0 for r in recs] == [False, False, True, False, False]
+    assert recs[2].to_dict()["gc_ms"] == recs[2].gc_ms
+
+
+def test_serve_freezes_its_start_up_heap(tmp_path):
+    """`minillm serve` owns its process: after loading it freezes what is alive, and says so in
+    /v1/server-info; a full collection there then walks only what came later."""
+    from minillm.serving.server import free_port
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "minillm", "serve", "--model", "tiny", "--device", "cpu",
+                             "--port", str(port), "--max-model-len", "128"],
+                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "err.txt", "w"), env=env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, (tmp_path / "err.txt").read_text()
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not start in 120 s"
+            time.sleep(0.2)
+        info = httpx.get(url + "/v1/server-info", timeout=10).json()
+        assert info["gc_frozen_objects"] > 10_000, info     # torch and the app: hundreds of thousands
+        r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=60)
+        assert r.status_code == 200, r.text
+        steps = httpx.get(url + "/v1/steps", timeout=10).json()["data"]
+        assert steps and all(s["gc_ms"] >= 0 for s in steps)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert "froze" in (tmp_path / "err.txt").read_text()
+
+
+def test_a_server_thread_leaves_the_heap_alone():
+    """In a notebook or a test the process is not the server's: nothing is frozen there."""
+    from minillm.serving.server import ServerConfig, ServerThread
+    srv = ServerThread(ServerConfig(model="tiny", device="cpu", dtype="fp32", port=0, max_model_len=128)).start()
+    try:
+        assert httpx.get(srv.url + "/v1/server-info", timeout=10).json()["gc_frozen_objects"] == gc.get_freeze_count() == 0
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("gc_ms, cause", [(290.0, "Python's garbage collector"),
+                                          (0.0, "pauses without a prefill inside")])
+def test_the_diagnosis_names_the_collector(gc_ms, cause):
+    from test_diagnose import request, steps
+
+    from minillm.measure.diagnose import STUTTERS, diagnose
+    traces = [request(f"d{i}", 0, 1, 5, 40, pauses={15: 300}) for i in range(4)]   # token 15 at 456 ms
+    recs = steps(0, 800)
+    stalled = next(r for r in recs if r.t_start_ns == 150_000_000)                 # inside every gap 146 → 456
+    stalled.gc_ms = gc_ms
+    d = diagnose(traces, recs)
+    assert d.cause == STUTTERS and d.stage == cause, d.text()
+    gaps = d.finding(STUTTERS).numbers["long_gaps"]
+    assert len(gaps) == 4 and all(g["gc_ms"] == gc_ms for g in gaps)
+    assert any("garbage collection fills" in e for e in d.finding(STUTTERS).evidence) == (gc_ms > 0)
