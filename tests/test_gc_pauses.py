@@ -73,9 +73,10 @@ def test_serve_freezes_its_start_up_heap(tmp_path):
     from minillm.serving.server import free_port
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "minillm", "serve", "--model", "tiny", "--device", "cpu",
-                             "--port", str(port), "--max-model-len", "128"],
-                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "err.txt", "w"), env=env)
+    with open(tmp_path / "err.txt", "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "minillm", "serve", "--model", "tiny", "--device", "cpu",
+                                 "--port", str(port), "--max-model-len", "128"],
+                                stdout=subprocess.DEVNULL, stderr=err, env=env)
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120

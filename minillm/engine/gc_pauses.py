@@ -44,7 +44,7 @@ class GcClock:
             self.collections += 1
             self._started_ns = None
 
-    def install(self) -> "GcClock":
+    def install(self) -> GcClock:
         if self._callback not in gc.callbacks:
             gc.callbacks.append(self._callback)
         return self
