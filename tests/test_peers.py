@@ -11,8 +11,12 @@ from minillm.measure import peers
 def test_without_llama_cpp_the_peer_is_unavailable_not_an_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "llama_cpp", None)          # as if llama-cpp-python were not installed
     assert "llama-cpp-python" in peers.llama_cpp_unavailable()
+    collections = []
+    real_collect = peers.gc.collect
+    monkeypatch.setattr(peers.gc, "collect", lambda *a: collections.append(1) or real_collect(*a))
     rep = peers.run_peers("tiny", device="cpu", dtype="fp32", prompt_tokens=8, new_tokens=4, rounds=2,
                           copy_bytes=8 * 2**20)
+    assert len(collections) >= 2 * 2                              # before each timed decode of each engine
     assert [p.name for p in rep.peers] == ["minillm", "transformers", "llama.cpp"]
     mini, hf, lc = rep.peers
     assert lc.status.startswith("unavailable: ") and "llama-cpp-python" in lc.status and not lc.samples_tok_s
@@ -29,6 +33,7 @@ def test_without_llama_cpp_the_peer_is_unavailable_not_an_error(monkeypatch):
     assert "unavailable: llama-cpp-python" in text and "% of read BW" in text and "min–max" in text
     assert "measured read bandwidth" in text and "copy bandwidth" in text and "minillm / transformers" in text
     assert "same tokens" in text and "4/4" in text
+    assert "garbage collected before every timed decode" in text and f"transformers {hf.gc_ms:.1f} ms" in text
 
 
 def test_leading_agreement_counts_until_the_first_difference():

@@ -3,7 +3,10 @@ and llama.cpp on the very same weights, interleaved round by round.
 
 Every engine decodes the same prompt greedily for the same number of tokens; a round runs each
 engine once, in an order rotated from round to round, so a slow minute of the machine hits
-every engine alike (chapter 10.6). Each engine's tok/s is reported as the median over the
+every engine alike (chapter 10.6). Before each timed decode the garbage collector runs, outside
+the clock: without that, the compile's garbage was once collected inside a compiled engine's
+first timed round (148 ms of a 0.9 s decode: 69 tok/s against 85 in the other rounds); what the
+collector still takes inside the timed decodes is printed. Each engine's tok/s is reported as the median over the
 rounds with its min–max and spread, with the achieved bandwidth (bytes a decode step reads ×
 tok/s: the same bytes for every engine, since the weights and dtype are the same) and its share
 of the measured *read* bandwidth, the ceiling of a decode step. A speed is only comparable if the
@@ -19,6 +22,7 @@ logits can swap after a while on random weights; a mismatch at token 1 would mea
 """
 from __future__ import annotations
 
+import gc
 import math
 import statistics
 import tempfile
@@ -28,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from minillm.engine.gc_pauses import GC_CLOCK
 from minillm.measure.bench import ceiling_lines
 from minillm.measure.hardware import (dtype_bytes, dtype_name, measure_copy_bandwidth, measure_read_bandwidth,
                                       synchronize)
@@ -53,6 +58,7 @@ class PeerResult:
     note: str = ""                               # what exactly ran (e.g. the GGUF type, threads)
     tokens: list[int] = field(default_factory=list)   # the greedy continuation of the last round
     same_tokens: int | None = None               # leading tokens equal to minillm's (eager) continuation
+    gc_ms: float = 0.0                           # Python's garbage collector inside the timed rounds, all together
 
 
 @dataclass
@@ -93,6 +99,10 @@ class PeerReport:
         for p in self.peers:
             if p.note and p.status == "ok":
                 lines.append(f"  {p.name}: {p.note}")
+        timed = [p for p in self.peers if p.status == "ok"]
+        if timed:
+            lines.append("garbage collected before every timed decode; inside them, over all rounds: "
+                         + ", ".join(f"{p.name} {p.gc_ms:.1f} ms" for p in timed))
         ok = {p.name: p for p in self.peers if p.status == "ok"}
         ours = [p for n, p in ok.items() if n.startswith("minillm")]
         for i, base in enumerate(ours):    # each minillm variant against every engine after it
@@ -475,8 +485,11 @@ def run_peers(model: str = "cpu-small", device: str | None = None, dtype: str | 
                 if res.status != "ok":
                     continue
                 try:
+                    gc.collect()         # the garbage of what ran before, not inside this engine's timing
                     synchronize(dev)
+                    gc_before = GC_CLOCK.now_ns()
                     res.samples_tok_s.append(e.decode_tok_s(prompt, new_tokens))
+                    res.gc_ms += (GC_CLOCK.now_ns() - gc_before) / 1e6
                 except Exception as ex:
                     res.status = f"failed in round {r + 1}: {type(ex).__name__}: {ex}"
             if progress:
