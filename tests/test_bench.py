@@ -20,8 +20,9 @@ def test_benchmark_report_is_well_formed():
     for r in rep.results:
         assert r.tok_s > 0 and abs(r.step_ms - 1e3 / r.tok_s) < 1e-9
         assert abs(r.achieved_bw - r.tok_s * rep.bytes_per_step) < 1e-3 * r.achieved_bw
-    assert rep.read_bw > 0 and rep.copy_bw > 0
+    assert rep.read_bw > 0 and rep.copy_bw > 0 and rep.step_read_bw > 0
     text = rep.table()
+    assert f"over one step's {rep.bytes_per_step / 1e6:.0f} MB" in text
     assert "% of read BW" in text and "% of copy BW" in text and "measured read bandwidth" in text
     assert "min–max" in text and all(len(r.samples_tok_s) == 1 for r in rep.results)
 

@@ -25,7 +25,7 @@ def test_without_llama_cpp_the_peer_is_unavailable_not_an_error(monkeypatch):
         assert p.tok_s_min <= p.tok_s <= p.tok_s_max and p.spread >= 0
         assert p.achieved_bw == pytest.approx(p.tok_s * rep.bytes_per_step)
         assert p.pct_of_read_bw == pytest.approx(p.achieved_bw / rep.read_bw)
-    assert rep.read_bw > 0 and rep.copy_bw > 0
+    assert rep.read_bw > 0 and rep.copy_bw > 0 and rep.step_read_bw > 0
     # the same weights, greedy: transformers continues the prompt exactly as minillm does
     assert len(mini.tokens) == len(hf.tokens) == 4 and mini.same_tokens == 4
     assert hf.tokens == mini.tokens and hf.same_tokens == 4 and lc.same_tokens is None
@@ -33,6 +33,7 @@ def test_without_llama_cpp_the_peer_is_unavailable_not_an_error(monkeypatch):
     assert "unavailable: llama-cpp-python" in text and "% of read BW" in text and "min–max" in text
     assert "measured read bandwidth" in text and "copy bandwidth" in text and "minillm / transformers" in text
     assert "same tokens" in text and "4/4" in text
+    assert f"over one step's {rep.bytes_per_step / 1e6:.0f} MB" in text
     assert "garbage collected before every timed decode" in text and f"transformers {hf.gc_ms:.1f} ms" in text
 
 

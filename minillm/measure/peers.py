@@ -35,7 +35,7 @@ import torch
 from minillm.engine.gc_pauses import GC_CLOCK
 from minillm.measure.bench import ceiling_lines
 from minillm.measure.hardware import (dtype_bytes, dtype_name, measure_copy_bandwidth, measure_read_bandwidth,
-                                      synchronize)
+                                      measure_step_read_bandwidth, synchronize)
 from minillm.measure.roofline import decode_step_bytes
 
 
@@ -74,6 +74,7 @@ class PeerReport:
     bytes_per_step: int
     threads: int
     peers: list[PeerResult]
+    step_read_bw: float = 0.0                    # measured over a buffer of bytes_per_step, read again and again
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -86,7 +87,7 @@ class PeerReport:
         lines = [f"model {self.model} ({self.dtype}) on {self.device}; batch 1, prompt {self.prompt_tokens} tokens, "
                  f"{self.new_tokens} new tokens; {self.rounds} rounds, the engines interleaved (order rotated "
                  f"each round); {self.threads} threads each",
-                 *ceiling_lines(self.bytes_per_step, self.read_bw, self.copy_bw),
+                 *ceiling_lines(self.bytes_per_step, self.read_bw, self.copy_bw, self.step_read_bw),
                  f"{'engine':<22}{'tok/s':>8}{'min–max':>15}{'spread':>8}{'GB/s':>8}{'% of read BW':>14}"
                  f"{'same tokens':>13}"]
         for p in self.peers:
@@ -449,6 +450,7 @@ def run_peers(model: str = "cpu-small", device: str | None = None, dtype: str | 
     prompt = torch.randint(1, cfg.vocab_size, (prompt_tokens,), generator=g).tolist()
     bytes_step = decode_step_bytes(cfg, dtype_bytes(dt), 1, prompt_tokens + new_tokens // 2)   # mean context
     read_bw = measure_read_bandwidth(dev, nbytes=read_bytes or copy_bytes).value
+    step_read_bw = measure_step_read_bandwidth(dev, bytes_step)
     copy_bw = measure_copy_bandwidth(dev, nbytes=copy_bytes).value
     threads = torch.get_num_threads()
 
@@ -507,4 +509,4 @@ def run_peers(model: str = "cpu-small", device: str | None = None, dtype: str | 
         if p.status == "ok" and reference and p.tokens:
             p.same_tokens = leading_agreement(reference, p.tokens)
     return PeerReport(str(model), str(dev), dtype_name(dt), prompt_tokens, new_tokens, rounds, read_bw, copy_bw,
-                      bytes_step, threads, peers)
+                      bytes_step, threads, peers, step_read_bw)
