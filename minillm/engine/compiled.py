@@ -28,7 +28,8 @@ Inductor's settings on a CPU (``inductor_options``) were chosen by measurement: 
   bf16: 62.3 tok/s plain, 82.1 frozen (oneDNN's pre-packed bf16 kernels), 89.9 frozen with the
   C++ wrapper, 115.0 with max-autotune, 125.1 once the K/V length became dynamic (one graph
   per row bucket; the runner); the same greedy tokens every time. In ``bench --peers`` (7
-  rounds, interleaved): 143.9 tok/s, 80 % of the read bandwidth, 1.25× llama.cpp's BF16.
+  rounds, interleaved): 143.9 tok/s, 1.25× llama.cpp's BF16; on a later, faster day of the same
+  VM 189.1 and 189.4 tok/s, 1.25× and 1.26×.
   The price: a first compile of about 25 s (the GEMMs are benchmarked; Inductor prints the
   timings), and each compiled row bucket holds a pre-packed copy of the weights beside the
   eager ones that prefill uses (measured: +293 MB of RSS for ``cpu-small``, then flat while
