@@ -126,3 +126,15 @@ def test_the_diagnosis_names_the_collector(gc_ms, cause):
     gaps = d.finding(STUTTERS).numbers["long_gaps"]
     assert len(gaps) == 4 and all(g["gc_ms"] == gc_ms for g in gaps)
     assert any("garbage collection fills" in e for e in d.finding(STUTTERS).evidence) == (gc_ms > 0)
+
+
+def test_the_outside_check_counts_the_collector_inside_the_steps():
+    from test_diagnose import healthy_traces, steps
+
+    from minillm.measure.diagnose import OUTSIDE, diagnose
+    recs = steps(0, 1200, host=0.1)
+    recs[3].gc_ms, recs[7].gc_ms = 4.0, 2.0
+    out = diagnose(healthy_traces(), recs).finding(OUTSIDE)
+    assert out.numbers["steps_gc_ms"] == pytest.approx(6.0)
+    assert any(e.startswith("garbage collection: 6.0 ms inside the steps") for e in out.evidence), out.evidence
+    assert not any("garbage" in e for e in diagnose(healthy_traces(), steps(0, 1200)).finding(OUTSIDE).evidence)

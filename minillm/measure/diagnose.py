@@ -562,7 +562,9 @@ def host_device_split(steps: Sequence[StepRecord]) -> dict[str, Any]:
     phases = {p: sum(r.phase_ms.get(p, 0.0) for r in steps) for p in PHASES}
     device = sum(r.device_ms for r in steps) if events else sum(phases[p] for p in FORWARD_PHASES)
     host = max(0.0, wall - device)
+    gc_ms = sum(r.gc_ms for r in steps)     # inside whichever phase it interrupted (a forward's, often)
     return {"wall_ms": wall, "device_ms": device, "host_ms": host, "host_share": host / wall if wall > 0 else 0.0,
+            "gc_ms": gc_ms,
             "device_from": "CUDA events" if events else "forward phases (no device timer)",
             "phase_share": {p: (v / wall if wall > 0 else 0.0) for p, v in phases.items()}}
 
@@ -599,6 +601,10 @@ def check_outside(done: Sequence[RequestMetrics], steps: Sequence[StepRecord], t
         host_phases = ", ".join(f"{p} {_pct(shares[p])}" for p in sorted(OUTSIDE_PHASES, key=lambda p: -shares[p]))
         evidence.append(f"steps: {_pct(step_share)} of {len(steps)} steps' time on the host ({host_phases}); "
                         f"device {split['device_ms']:.1f} ms of {split['wall_ms']:.1f} ms, from {split['device_from']}")
+        if split["gc_ms"] > 0:
+            evidence.append(f"garbage collection: {split['gc_ms']:.1f} ms inside the steps "
+                            f"({_pct(split['gc_ms'] / split['wall_ms'] if split['wall_ms'] > 0 else 0.0)} of their time, "
+                            "counted in whichever phase it interrupted)")
         numbers.update({f"steps_{k}": v for k, v in split.items()})
     else:
         evidence.append("no step records: the host/device split of the engine's steps is not known "
