@@ -138,3 +138,34 @@ def test_the_outside_check_counts_the_collector_inside_the_steps():
     assert out.numbers["steps_gc_ms"] == pytest.approx(6.0)
     assert any(e.startswith("garbage collection: 6.0 ms inside the steps") for e in out.evidence), out.evidence
     assert not any("garbage" in e for e in diagnose(healthy_traces(), steps(0, 1200)).finding(OUTSIDE).evidence)
+
+
+# ---- notebook 05's measurements (minillm.measure.outside_gc) -------------------------------------
+
+def test_the_heap_measurement_adds_tracked_objects():
+    from minillm.measure.outside_gc import collection_cost_by_heap
+    a, b = collection_cost_by_heap((0, 50_000), repeats=2)
+    assert 49_000 <= b.objects - a.objects <= 51_000            # small lists are tracked (atomic dicts are not)
+    assert len(a.samples_ms) == len(b.samples_ms) == 2 and a.full_ms > 0
+
+
+@pytest.mark.parametrize("freeze", [False, True])
+def test_a_decode_beside_collections_reads_them_from_the_steps(freeze):
+    from minillm.engine.llm import LLM
+    from minillm.measure.outside_gc import gc_in_decode
+    llm = LLM("tiny", device="cpu", max_batch_size=4)
+    d = gc_in_decode(llm, every_s=0.01, freeze=freeze, batch=2, new_tokens=16)
+    assert gc.get_freeze_count() == 0                          # the caller's heap is left as it was
+    assert d.frozen == freeze and d.steps == 15                # 16 tokens: a prefill step, then 15 decode steps
+    assert d.gc_ms_max <= d.step_ms_max                        # a step's collection is inside its wall time
+    assert 0 <= d.steps_with_1ms <= d.steps
+    if freeze:
+        assert d.objects < 1_000                               # frozen: nothing old left to walk
+
+
+def test_freeze_effect_runs_in_a_process_of_its_own():
+    from minillm.measure.outside_gc import freeze_effect
+    fe = freeze_effect("tiny", repeats=2)
+    assert gc.get_freeze_count() == 0
+    assert fe.objects > 100_000 and abs(fe.frozen - fe.objects) <= 0.01 * fe.objects
+    assert len(fe.before_samples_ms) == len(fe.after_samples_ms) == 2
