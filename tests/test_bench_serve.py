@@ -414,6 +414,37 @@ def test_asgi_app_raising_mid_stream_is_a_failed_request():
         [r.error for r in res.records]
 
 
+def test_the_clients_own_garbage_collection_is_reported():
+    """A collection in the client's process (here forced by the ASGI app, which runs in it) pauses
+    the client's event loop: the result counts it, the table and the JSON say so."""
+    import gc
+
+    from starlette.applications import Starlette
+    from starlette.responses import StreamingResponse
+    from starlette.routing import Route
+
+    async def gen():
+        gc.collect()
+        yield 'data: {"choices":[{"index":0,"text":"a"}]}\n\n'
+        yield "data: [DONE]\n\n"
+
+    async def completions(request):
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
+    gc.disable()                                      # only the app's collections
+    try:
+        res = run_bench(BenchConfig(base_url="http://asgi", model="m", num_prompts=3, warmup=1, random_input_len=4,
+                                    random_output_len=1), transport=httpx.ASGITransport(app=app))
+    finally:
+        gc.enable()
+    assert res.n_ok == 3
+    assert res.client_gc_collections == 3 and res.client_gc_ms > 0    # the warm-up's is not counted
+    assert "Client GC pauses (ms):" in res.table()
+    d = res.to_dict()
+    assert d["client_gc_collections"] == 3 and d["client_gc_ms"] == res.client_gc_ms
+
+
 def test_keepalive_trickle_times_out_as_a_failed_request():
     import asyncio
 

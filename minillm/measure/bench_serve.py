@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import math
 import os
@@ -72,6 +73,7 @@ from typing import Any
 
 import numpy as np
 
+from minillm.engine.gc_pauses import GC_CLOCK
 from minillm.measure.metrics import (
     SLO,
     ClientRecord,
@@ -521,6 +523,8 @@ class BenchResult:
     summary: Summary
     percentiles: dict[str, dict[str, float]]     # metric → {"p50": ms, ...} (successful requests)
     started: str = ""
+    client_gc_ms: float = 0.0                    # the client's own garbage collector during the timed run
+    client_gc_collections: int = 0
 
     @property
     def n_ok(self) -> int:
@@ -565,6 +569,7 @@ class BenchResult:
                 "command": " ".join(sys.argv), "versions": {"python": platform.python_version(),
                                                             "httpx": httpx.__version__, "numpy": np.__version__},
                 "send_lag_max_ms": self.max_send_lag_ms,
+                "client_gc_ms": self.client_gc_ms, "client_gc_collections": self.client_gc_collections,
                 "summary": self.summary.to_dict(), "percentiles_ms": self.percentiles,
                 "failures": self.failures(), "requests": [rec(r) for r in self.records],
                 "warmup_requests": [rec(r) for r in self.warmup_records]}
@@ -585,6 +590,8 @@ class BenchResult:
                   f"{'Max concurrency:':<{w}}{self.config.max_concurrency or '-'}",
                   f"{'Warm-up requests (excluded):':<{w}}{len(self.warmup_records)}",
                   f"{'Max send lag (ms):':<{w}}{fmt(self.max_send_lag_ms)}  (sent after its due time)",
+                  f"{'Client GC pauses (ms):':<{w}}{self.client_gc_ms:.2f}  (the client's own, "
+                  f"{self.client_gc_collections} collections: they delay its timestamps)",
                   f"{'Benchmark duration (s):':<{w}}{s.duration_s:.2f}",
                   f"{'Total input tokens:':<{w}}{s.input_tokens}",
                   f"{'Total generated tokens:':<{w}}{s.output_tokens}",
@@ -700,6 +707,11 @@ async def arun_bench(cfg: BenchConfig, transport=None, schedule: Sequence[float]
 
         warm_recs = list(await asyncio.gather(*(limited(i, r, f"warmup-{tag}-{i}", 0.0)
                                                  for i, r in enumerate(warm))))
+        # The client is a Python process too: a collection of its heap pauses its event loop, and
+        # every timestamp it takes meanwhile is late (10.5, 10.6). Start the timed run with a clean
+        # heap and report what the collector took during it.
+        gc.collect()
+        gc_ns, gc_n = GC_CLOCK.now_ns(), GC_CLOCK.collections
         t0 = time.perf_counter()
         t0_ns = now_ns()
         tasks = []
@@ -709,6 +721,7 @@ async def arun_bench(cfg: BenchConfig, transport=None, schedule: Sequence[float]
                 await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(limited(i, req, f"bench-{tag}-{i:05d}", due)))
         records = list(await asyncio.gather(*tasks))
+        gc_ns, gc_n = GC_CLOCK.now_ns() - gc_ns, GC_CLOCK.collections - gc_n
     if bar is not None:
         bar.close()
     for r in records:
@@ -718,7 +731,7 @@ async def arun_bench(cfg: BenchConfig, transport=None, schedule: Sequence[float]
     summary = summarize([client_request_metrics(r.record) for r in records], slo=slo)
     pct = percentile_table([client_request_metrics(r.record) for r in records], cfg.percentile_metrics,
                            cfg.metric_percentiles)
-    return BenchResult(cfg, model, records, warm_recs, summary, pct, started)
+    return BenchResult(cfg, model, records, warm_recs, summary, pct, started, gc_ns / 1e6, gc_n)
 
 
 def _progress_bar(total: int):
