@@ -440,7 +440,7 @@ def test_the_clients_own_garbage_collection_is_reported():
         gc.enable()
     assert res.n_ok == 3
     assert res.client_gc_collections == 3 and res.client_gc_ms > 0    # the warm-up's is not counted
-    assert "Client GC pauses (ms):" in res.table()
+    assert "Client-process GC (ms):" in res.table()
     d = res.to_dict()
     assert d["client_gc_collections"] == 3 and d["client_gc_ms"] == res.client_gc_ms
 

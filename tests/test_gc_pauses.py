@@ -6,12 +6,12 @@ import gc
 import os
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
 from minillm.engine.gc_pauses import GC_CLOCK, GcClock
+from minillm.measure.server_load import _wait_up
 
 
 def test_the_clock_counts_a_collection():
@@ -79,16 +79,10 @@ def test_serve_freezes_its_start_up_heap(tmp_path):
                                 stdout=subprocess.DEVNULL, stderr=err, env=env)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, (tmp_path / "err.txt").read_text()
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not start in 120 s"
-            time.sleep(0.2)
+        try:
+            _wait_up(url, proc)
+        except (RuntimeError, TimeoutError) as e:
+            raise AssertionError((tmp_path / "err.txt").read_text()) from e
         info = httpx.get(url + "/v1/server-info", timeout=10).json()
         assert info["gc_frozen_objects"] > 10_000, info     # torch and the app: hundreds of thousands
         r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=60)
@@ -97,7 +91,11 @@ def test_serve_freezes_its_start_up_heap(tmp_path):
         assert steps and all(s["gc_ms"] >= 0 for s in steps)
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
     assert "froze" in (tmp_path / "err.txt").read_text()
 
 
@@ -109,35 +107,6 @@ def test_a_server_thread_leaves_the_heap_alone():
         assert httpx.get(srv.url + "/v1/server-info", timeout=10).json()["gc_frozen_objects"] == gc.get_freeze_count() == 0
     finally:
         srv.stop()
-
-
-@pytest.mark.parametrize("gc_ms, cause", [(290.0, "Python's garbage collector"),
-                                          (0.0, "pauses without a prefill inside")])
-def test_the_diagnosis_names_the_collector(gc_ms, cause):
-    from test_diagnose import request, steps
-
-    from minillm.measure.diagnose import STUTTERS, diagnose
-    traces = [request(f"d{i}", 0, 1, 5, 40, pauses={15: 300}) for i in range(4)]   # token 15 at 456 ms
-    recs = steps(0, 800)
-    stalled = next(r for r in recs if r.t_start_ns == 150_000_000)                 # inside every gap 146 → 456
-    stalled.gc_ms = gc_ms
-    d = diagnose(traces, recs)
-    assert d.cause == STUTTERS and d.stage == cause, d.text()
-    gaps = d.finding(STUTTERS).numbers["long_gaps"]
-    assert len(gaps) == 4 and all(g["gc_ms"] == gc_ms for g in gaps)
-    assert any("garbage collection fills" in e for e in d.finding(STUTTERS).evidence) == (gc_ms > 0)
-
-
-def test_the_outside_check_counts_the_collector_inside_the_steps():
-    from test_diagnose import healthy_traces, steps
-
-    from minillm.measure.diagnose import OUTSIDE, diagnose
-    recs = steps(0, 1200, host=0.1)
-    recs[3].gc_ms, recs[7].gc_ms = 4.0, 2.0
-    out = diagnose(healthy_traces(), recs).finding(OUTSIDE)
-    assert out.numbers["steps_gc_ms"] == pytest.approx(6.0)
-    assert any(e.startswith("garbage collection: 6.0 ms inside the steps") for e in out.evidence), out.evidence
-    assert not any("garbage" in e for e in diagnose(healthy_traces(), steps(0, 1200)).finding(OUTSIDE).evidence)
 
 
 # ---- notebook 05's measurements (minillm.measure.outside_gc) -------------------------------------
@@ -158,7 +127,6 @@ def test_a_decode_beside_collections_reads_them_from_the_steps(freeze):
     assert gc.get_freeze_count() == 0                          # the caller's heap is left as it was
     assert d.frozen == freeze and d.steps == 15                # 16 tokens: a prefill step, then 15 decode steps
     assert d.gc_ms_max <= d.step_ms_max                        # a step's collection is inside its wall time
-    assert 0 <= d.steps_with_1ms <= d.steps
     if freeze:
         assert d.objects < 1_000                               # frozen: nothing old left to walk
 

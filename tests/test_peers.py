@@ -12,8 +12,14 @@ def test_without_llama_cpp_the_peer_is_unavailable_not_an_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "llama_cpp", None)          # as if llama-cpp-python were not installed
     assert "llama-cpp-python" in peers.llama_cpp_unavailable()
     collections = []
-    real_collect = peers.gc.collect
-    monkeypatch.setattr(peers.gc, "collect", lambda *a: collections.append(1) or real_collect(*a))
+    real_gc = peers.gc
+
+    class CountingGc:                                             # peers' own `gc`, not the process's
+        @staticmethod
+        def collect(*args, **kwargs):
+            collections.append(1)
+            return real_gc.collect(*args, **kwargs)
+    monkeypatch.setattr(peers, "gc", CountingGc)
     rep = peers.run_peers("tiny", device="cpu", dtype="fp32", prompt_tokens=8, new_tokens=4, rounds=2,
                           copy_bytes=8 * 2**20)
     assert len(collections) >= 2 * 2                              # before each timed decode of each engine

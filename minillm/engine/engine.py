@@ -19,6 +19,7 @@ from pathlib import Path
 
 
 from minillm.engine.config import EngineConfig
+from minillm.engine.gc_pauses import GC_CLOCK
 from minillm.engine.kv_cache import KVCache, size_kv_cache
 from minillm.engine.output import OutputProcessor
 from minillm.engine.prefix_cache import SlotAllocator
@@ -26,7 +27,6 @@ from minillm.engine.runner import ModelRunner
 from minillm.engine.sampling import SamplingParams, TokenLogprobs, make_generator
 from minillm.engine.scheduler import ScheduledBatch, Scheduler
 from minillm.engine.sequence import Sequence
-from minillm.engine.gc_pauses import GC_CLOCK
 from minillm.engine.step_record import StepHistory, StepRecord
 from minillm.engine.tokenizer import encode_prompt
 from minillm.measure.hardware import free_memory_bytes
@@ -213,6 +213,7 @@ class LLMEngine:
                 self.step_history.append(rec)
                 return self._fail_batch(batch, e)
             t = rec.t_ns[-1]
+            gc_sampled_ns = GC_CLOCK.now_ns()                                      # ≈ at the sampled mark
             outs = []
             for (seq, n), tok, lp in zip(batch.rows, token_ids, logprobs):
                 was_prefill = seq.in_prefill
@@ -221,8 +222,10 @@ class LLMEngine:
                     self._record_chunk(seq, n, rec, t)
                 if tok is not None:
                     outs.append(self._append_token(seq, tok, lp, t))
+            gc_end_ns = GC_CLOCK.now_ns()            # read before the last mark: gc_ms stays inside wall_ms
             rec.mark(now_ns())                                                    # outputs processed
-            rec.gc_ms = (GC_CLOCK.now_ns() - gc_start_ns) / 1e6
+            rec.gc_ms = (gc_end_ns - gc_start_ns) / 1e6
+            rec.gc_output_ms = (gc_end_ns - gc_sampled_ns) / 1e6
             self.step_history.append(rec)
             return outs
 

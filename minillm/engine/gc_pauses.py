@@ -1,8 +1,9 @@
 """Python's garbage collector: time outside the accelerator that no phase names (chapter 10.5).
 
 CPython frees most objects by reference counting; the cyclic collector runs now and then on top,
-triggered by allocations in *any* thread. While it runs it holds the GIL, so the engine thread
-stops too, mid-step, and every stream stalls at once. A full (generation-2) collection walks every
+triggered by allocations in *any* thread. While it runs it holds the GIL: the engine thread's
+Python stops mid-step, and so does every stream's next token. (An operator already running in
+C++, which releases the GIL, goes on; the next one waits.) A full (generation-2) collection walks every
 tracked object: a `minillm serve` process holds about 360k of them after start-up (torch,
 transformers, the app), and one such collection took 65-77 ms there; inside a test process
 grown to 600k objects, 140-230 ms (2-core Xeon VM, Python 3.11). The CI once saw a 322 ms token
@@ -11,8 +12,8 @@ gap with no prefill inside it: a stall of exactly this kind.
 Two tools, each a few lines:
 
 * :data:`GC_CLOCK` adds up the time spent in collections (a ``gc.callbacks`` hook), so a step can
-  record how much of its wall time was the collector (``StepRecord.gc_ms``) and a diagnosis can
-  name it instead of blaming "the host".
+  record how long the collector held the GIL during it (``StepRecord.gc_ms``: an upper bound on
+  what it cost the step) and a diagnosis can name it instead of blaming "the host".
 * :func:`freeze_startup_heap` collects once, then moves everything alive into the permanent
   generation (``gc.freeze()``): later full collections skip the start-up heap (measured: 65-77 ms
   → 0.0 ms for the server's heap). Servers do this after loading the model (vLLM does it at
@@ -27,8 +28,8 @@ import time
 
 
 class GcClock:
-    """Total nanoseconds spent in the cyclic garbage collector since :meth:`install`, all threads
-    together (a collection stops them all). Read it before and after a stretch of work."""
+    """Total nanoseconds spent in the cyclic garbage collector since :meth:`install`, whichever
+    thread ran it (each holds the GIL while it runs). Read it before and after a stretch of work."""
 
     def __init__(self) -> None:
         self.total_ns = 0

@@ -13,8 +13,10 @@ The phases are consecutive host timestamps, so they add up to the step's wall ti
   the wait then lands in *sample*, whose host read is the step's one sync);
 - ``device_ms``: the forward's device time from CUDA events (None on a CPU: there the
   forward's wall time is ``forward_issue_ms``).
-- ``gc_ms``: how much of the step's wall time Python's garbage collector held the GIL
-  (:mod:`minillm.engine.gc_pauses`); it sits inside whichever phase it interrupted.
+- ``gc_ms``: how long Python's garbage collector held the GIL during the step
+  (:mod:`minillm.engine.gc_pauses`), inside whichever phase it interrupted; ``gc_output_ms`` is
+  the part after the sampled mark, which delays the *next* token. An upper bound on what the
+  collector cost the step: an operator already running in C++ (which releases the GIL) goes on.
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ class StepRecord:
     device_ms: float | None = None
     compile_ms: float | None = None   # this step compiled its decode bucket first (EngineConfig.compile)
     gc_ms: float = 0.0                # garbage collection during the step (inside its phases)
+    gc_output_ms: float = 0.0         # the part of gc_ms after the sampled mark (the output phase)
     error: str | None = None
 
     def mark(self, t_ns: int) -> None:

@@ -523,7 +523,7 @@ class BenchResult:
     summary: Summary
     percentiles: dict[str, dict[str, float]]     # metric → {"p50": ms, ...} (successful requests)
     started: str = ""
-    client_gc_ms: float = 0.0                    # the client's own garbage collector during the timed run
+    client_gc_ms: float = 0.0                    # garbage collection in the client's process during the timed run
     client_gc_collections: int = 0
 
     @property
@@ -590,8 +590,8 @@ class BenchResult:
                   f"{'Max concurrency:':<{w}}{self.config.max_concurrency or '-'}",
                   f"{'Warm-up requests (excluded):':<{w}}{len(self.warmup_records)}",
                   f"{'Max send lag (ms):':<{w}}{fmt(self.max_send_lag_ms)}  (sent after its due time)",
-                  f"{'Client GC pauses (ms):':<{w}}{self.client_gc_ms:.2f}  (the client's own, "
-                  f"{self.client_gc_collections} collections: they delay its timestamps)",
+                  f"{'Client-process GC (ms):':<{w}}{self.client_gc_ms:.2f}  ({self.client_gc_collections} "
+                  f"collections in the client's process, a server sharing it included: they delay its timestamps)",
                   f"{'Benchmark duration (s):':<{w}}{s.duration_s:.2f}",
                   f"{'Total input tokens:':<{w}}{s.input_tokens}",
                   f"{'Total generated tokens:':<{w}}{s.output_tokens}",
@@ -731,7 +731,8 @@ async def arun_bench(cfg: BenchConfig, transport=None, schedule: Sequence[float]
     summary = summarize([client_request_metrics(r.record) for r in records], slo=slo)
     pct = percentile_table([client_request_metrics(r.record) for r in records], cfg.percentile_metrics,
                            cfg.metric_percentiles)
-    return BenchResult(cfg, model, records, warm_recs, summary, pct, started, gc_ns / 1e6, gc_n)
+    return BenchResult(cfg, model, records, warm_recs, summary, pct, started,
+                       client_gc_ms=gc_ns / 1e6, client_gc_collections=gc_n)
 
 
 def _progress_bar(total: int):

@@ -421,6 +421,7 @@ class _Interval:
     end: int
     owner: str
     tokens: int
+    gc_ms: float = 0.0
 
 
 def prefill_intervals(traces: Iterable[Trace]) -> list[_Interval]:
@@ -449,6 +450,19 @@ def _step_window(rec: StepRecord) -> tuple[int, int]:
     return start, end
 
 
+def _gc_windows(rec: StepRecord) -> list[_Interval]:
+    """A step's garbage collection, where it delays tokens: up to the sampled mark it delays this
+    step's tokens (the gap that ends there), after it (``gc_output_ms``, the output phase) the
+    next ones (the gap that starts there)."""
+    start, sampled = _step_window(rec)
+    end = rec.t_ns[-1] if rec.t_ns else sampled
+    before = rec.gc_ms - rec.gc_output_ms
+    out = [_Interval(start, sampled, f"step {rec.step}", 0, before)] if before > 0 else []
+    if rec.gc_output_ms > 0:
+        out.append(_Interval(sampled, max(end, sampled + 1), f"step {rec.step}", 0, rec.gc_output_ms))
+    return out
+
+
 def _overlapping(ivs: Sequence[_Interval], starts: list[int], longest: int, t0: int, t1: int) -> list[_Interval]:
     """Intervals with start < t1 and end > t0 (strict: touching at an end is not overlapping)."""
     lo = bisect_left(starts, t0 - longest)
@@ -464,9 +478,7 @@ def gaps_with_prefills(done: Sequence[RequestMetrics], traces: Sequence[Trace], 
     ivs = prefill_intervals(traces)
     steps_iv = sorted((_Interval(*_step_window(r), f"step {r.step}", r.num_prefill_tokens)
                        for r in steps if r.num_prefill_tokens > 0), key=lambda iv: iv.start)
-    gc_iv = sorted((_Interval(*_step_window(r), f"step {r.step}", 0) for r in steps if r.gc_ms > 0),
-                   key=lambda iv: iv.start)
-    gc_ms = {f"step {r.step}": r.gc_ms for r in steps}
+    gc_iv = sorted((iv for r in steps if r.gc_ms > 0 for iv in _gc_windows(r)), key=lambda iv: iv.start)
     idx = [(v, [iv.start for iv in v], max((iv.end - iv.start for iv in v), default=0))
            for v in (ivs, steps_iv, gc_iv)]
     out = []
@@ -477,7 +489,7 @@ def gaps_with_prefills(done: Sequence[RequestMetrics], traces: Sequence[Trace], 
                 continue
             pre = [iv for iv in _overlapping(*idx[0], a, b) if iv.owner != m.request_id]
             st = _overlapping(*idx[1], a, b)
-            gc_inside = sum(gc_ms[iv.owner] for iv in _overlapping(*idx[2], a, b))
+            gc_inside = sum(iv.gc_ms for iv in _overlapping(*idx[2], a, b))
             out.append(Gap(m.request_id, k, a, b, tuple(sorted({iv.owner for iv in pre})),
                            len(st), sum(iv.tokens for iv in st), gc_inside))
     return out
@@ -514,8 +526,9 @@ def check_stutter(done: Sequence[RequestMetrics], s: Summary, traces: Sequence[T
                         + (f"; {worst.prefill_steps} step(s) with {worst.prefill_tokens} prefill tokens inside"
                            if worst.prefill_steps else ""))
     if gc_s > 0:
-        evidence.append(f"garbage collection fills {_t(gc_s)} of the long gaps' {_t(lost)} beyond p50 "
-                        f"({_pct(_ratio(gc_s, lost))}; summed gap by gap, from the step records' gc_ms)")
+        evidence.append(f"the garbage collector held the GIL for {_t(gc_s)} of the long gaps' {_t(lost)} beyond "
+                        f"p50 ({_pct(_ratio(gc_s, lost))}; summed gap by gap, from the step records' gc_ms: "
+                        "an upper bound, since an operator already running in C++ goes on)")
     if not knows_prefills:
         evidence.append("the traces have no prefill events and no step records were given: "
                         "what ran inside the gaps is unknown")
@@ -523,13 +536,14 @@ def check_stutter(done: Sequence[RequestMetrics], s: Summary, traces: Sequence[T
         evidence.append("a prefill step makes every decoding request wait for it; chunked prefill splits it "
                         "into budget-sized chunks that share steps with the decodes (10.4)")
     elif cause == GC_CAUSE:
-        evidence.append("a full garbage collection holds the GIL and stops the engine thread mid-step; "
+        evidence.append("a full garbage collection holds the GIL: the engine thread's Python stops mid-step; "
                         "freezing the start-up heap (gc.freeze(), as `minillm serve` does) keeps it short (10.5)")
     elif long:
         evidence.append("the long gaps hold no prefill: look at the host (sampling, detokenizing, the "
                         "server's event loop, the garbage collector, other processes on the machine; 10.5)")
     headline = (f"{STUTTERS}: {cause} (ITL p99 {_t(itl.p99)} = {ratio:.1f}× p50 {_t(itl.p50)}; "
-                f"{n_pre} of {len(long)} long gaps hold another request's prefill)")
+                + (f"garbage collection in {_pct(_ratio(gc_s, lost))} of the long gaps' excess)" if cause == GC_CAUSE
+                   else f"{n_pre} of {len(long)} long gaps hold another request's prefill)"))
     return Finding(STUTTERS, fired, cause if long else None, headline, lost, evidence,
                    {"itl_p50_s": itl.p50, "itl_p99_s": itl.p99, "itl_max_s": itl.max, "itl_ratio": ratio,
                     "n_gaps": itl.count, "long_gap_s": threshold, "n_long_gaps": len(long),

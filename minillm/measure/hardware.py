@@ -500,13 +500,25 @@ def measure_read_bandwidth(device: torch.device | str | None = None, nbytes: int
                        f"{kernel} over {n * 4 / 2**20:.0f} MiB, bytes read")
 
 
-def measure_step_read_bandwidth(device: torch.device | str | None, bytes_per_step: int) -> float:
+def measure_step_read_bandwidth(device: torch.device | str | None, bytes_per_step: int) -> Measurement | None:
     """Read bandwidth over a buffer the size of one decode step's bytes (at least 1 MiB), read
     again and again as decode re-reads its weights. Where the weights fit in part in the
     last-level cache this is above :func:`measure_read_bandwidth`'s figure, and a decode can pass
-    that bound: measured on the 2-core Xeon VM, 40.6 GB/s over 164 MiB (cpu-small in bf16) against
-    28-29 GB/s over 329 MiB and more."""
-    return measure_read_bandwidth(device, nbytes=max(int(bytes_per_step), 2**20)).value
+    that bound: measured on the 2-core Xeon VM, 40.6 GB/s over a 164 MiB buffer (about cpu-small's
+    bf16 weights) against 27-29 GB/s over 329 MiB and more.
+
+    None where it could tell nothing new or would not fit: a step of at least twice the last-level
+    cache (then the bound's own large-buffer figure is the answer), or a buffer over the same share
+    of free memory that the other measurements keep to (an eighth of the host's, a quarter of a GPU's)."""
+    dev = pick_device(device)
+    nbytes = max(int(bytes_per_step), 2**20)
+    llc = last_level_cache_bytes(dev)
+    if llc and nbytes >= 2 * llc:
+        return None
+    room = {"cpu": lambda: _host_available_bytes() // 8, "cuda": lambda: free_memory_bytes(dev) // 4}
+    if nbytes > room.get(dev.type, lambda: 512 * 2**20)():
+        return None
+    return measure_read_bandwidth(dev, nbytes=nbytes)
 
 
 def measure_matmul_peak(device: torch.device | str | None = None, dtype: str | torch.dtype = "fp32",

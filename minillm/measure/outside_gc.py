@@ -61,21 +61,18 @@ def collection_cost_by_heap(extras: tuple[int, ...] = (0, 250_000, 500_000, 1_00
     return out
 
 
-_FREEZE_SCRIPT = r"""
-import gc, json, statistics, time
-from minillm.serving.app import create_app
-from minillm.serving.server import ServerConfig
-from minillm.engine.gc_pauses import freeze_startup_heap
-app = create_app(ServerConfig(model=MODEL, device="cpu", port=0))
-def full_ms():
-    t0 = time.perf_counter(); gc.collect(); return (time.perf_counter() - t0) * 1e3
-gc.collect()
-before = [full_ms() for _ in range(REPEATS)]
-objects = len(gc.get_objects())
-frozen = freeze_startup_heap()
-after = [full_ms() for _ in range(REPEATS)]
-print(json.dumps({"objects": objects, "frozen": frozen, "before_ms": before, "after_ms": after}))
-"""
+def _freeze_in_this_process(model: str, repeats: int) -> dict:
+    """What :func:`freeze_effect` runs in its subprocess (``python -m minillm.measure.outside_gc``)."""
+    from minillm.engine.gc_pauses import freeze_startup_heap
+    from minillm.serving.app import create_app
+    from minillm.serving.server import ServerConfig
+    app = create_app(ServerConfig(model=model, device="cpu", port=0))     # noqa: F841 (kept alive: the heap)
+    gc.collect()
+    before = [_full_collection_ms() for _ in range(repeats)]
+    objects = len(gc.get_objects())
+    frozen = freeze_startup_heap()
+    after = [_full_collection_ms() for _ in range(repeats)]
+    return {"objects": objects, "frozen": frozen, "before_ms": before, "after_ms": after}
 
 
 @dataclass
@@ -96,10 +93,11 @@ class FreezeEffect:
 def freeze_effect(model: str = "tiny", repeats: int = 5, timeout_s: float = 300) -> FreezeEffect:
     """A full collection in a fresh process holding the server's app, before and after the
     start-up heap is frozen (in a subprocess: the caller's heap stays as it is)."""
-    script = _FREEZE_SCRIPT.replace("MODEL", repr(model)).replace("REPEATS", str(int(repeats)))
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout_s)
+    r = subprocess.run([sys.executable, "-m", "minillm.measure.outside_gc", model, str(int(repeats))],
+                       capture_output=True, text=True, timeout=timeout_s)
     if r.returncode != 0:
-        raise RuntimeError(f"the server process failed: {r.stderr.strip().splitlines()[-1:]}")
+        last = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"exit status {r.returncode}"
+        raise RuntimeError(f"the server process failed: {last}")
     d = json.loads(r.stdout.strip().splitlines()[-1])
     return FreezeEffect(model, d["objects"], d["frozen"], statistics.median(d["before_ms"]),
                         statistics.median(d["after_ms"]), d["before_ms"], d["after_ms"])
@@ -127,7 +125,9 @@ def gc_in_decode(llm, every_s: float = 0.05, freeze: bool = False, batch: int = 
     """Decode ``batch`` requests for ``new_tokens`` tokens while a side thread runs a full
     collection every ``every_s`` seconds, as a busy server's allocations would trigger them; read
     each step's ``gc_ms``. ``freeze``: the heap is frozen for the decode (``gc.freeze()``), then
-    unfrozen (``gc.unfreeze()``), so the caller's process is left as it was."""
+    unfrozen (``gc.unfreeze()``), so the caller's process is left as it was. A heap the caller
+    had frozen already stays frozen (``gc.unfreeze`` would release all of it), and the result
+    says so (``frozen`` is then True whatever ``freeze`` asked)."""
     import threading
 
     from minillm.engine.sampling import SamplingParams
@@ -142,7 +142,9 @@ def gc_in_decode(llm, every_s: float = 0.05, freeze: bool = False, batch: int = 
             runs.append(1)
 
     gc.collect()
-    if freeze:
+    frozen_before = gc.get_freeze_count() > 0
+    ours = freeze and not frozen_before
+    if ours:
         gc.freeze()
     objects = len(gc.get_objects())
     side = threading.Thread(target=collector, daemon=True)
@@ -152,12 +154,16 @@ def gc_in_decode(llm, every_s: float = 0.05, freeze: bool = False, batch: int = 
     finally:
         stop.set()
         side.join()
-        if freeze:
+        if ours:
             gc.unfreeze()
     recs = [r for r in history if r.step > last and r.num_prefill_tokens == 0]
     if not recs:
         raise RuntimeError("no decode step was recorded")
     walls = [r.wall_ms for r in recs]
     gcs = [r.gc_ms for r in recs]
-    return DecodeGc(freeze, objects, len(runs), len(recs), sum(g >= 1.0 for g in gcs), max(gcs),
+    return DecodeGc(freeze or frozen_before, objects, len(runs), len(recs), sum(g >= 1.0 for g in gcs), max(gcs),
                     statistics.median(walls), max(walls))
+
+
+if __name__ == "__main__":      # freeze_effect's subprocess: python -m minillm.measure.outside_gc MODEL REPEATS
+    print(json.dumps(_freeze_in_this_process(sys.argv[1], int(sys.argv[2]))))

@@ -74,7 +74,7 @@ class PeerReport:
     bytes_per_step: int
     threads: int
     peers: list[PeerResult]
-    step_read_bw: float = 0.0                    # measured over a buffer of bytes_per_step, read again and again
+    step_read_bw: float = 0.0                    # over a buffer of bytes_per_step, re-read (0: not measured)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -450,7 +450,7 @@ def run_peers(model: str = "cpu-small", device: str | None = None, dtype: str | 
     prompt = torch.randint(1, cfg.vocab_size, (prompt_tokens,), generator=g).tolist()
     bytes_step = decode_step_bytes(cfg, dtype_bytes(dt), 1, prompt_tokens + new_tokens // 2)   # mean context
     read_bw = measure_read_bandwidth(dev, nbytes=read_bytes or copy_bytes).value
-    step_read_bw = measure_step_read_bandwidth(dev, bytes_step)
+    step_read = measure_step_read_bandwidth(dev, bytes_step)
     copy_bw = measure_copy_bandwidth(dev, nbytes=copy_bytes).value
     threads = torch.get_num_threads()
 
@@ -509,4 +509,4 @@ def run_peers(model: str = "cpu-small", device: str | None = None, dtype: str | 
         if p.status == "ok" and reference and p.tokens:
             p.same_tokens = leading_agreement(reference, p.tokens)
     return PeerReport(str(model), str(dev), dtype_name(dt), prompt_tokens, new_tokens, rounds, read_bw, copy_bw,
-                      bytes_step, threads, peers, step_read_bw)
+                      bytes_step, threads, peers, step_read.value if step_read else 0.0)
