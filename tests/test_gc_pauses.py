@@ -17,7 +17,7 @@ from minillm.measure.server_load import _wait_up
 def test_the_clock_counts_a_collection():
     gc.disable()                                      # no automatic collection in between
     try:
-        before_ns, before_n = GC_CLOCK.now_ns(), GC_CLOCK.collections
+        before_ns, before_n = GC_CLOCK.spent_ns(), GC_CLOCK.collections
         garbage = [[] for _ in range(1000)]
         for a, b in zip(garbage, garbage[1:]):        # cycles: only the collector frees these
             a.append(b)
@@ -27,7 +27,20 @@ def test_the_clock_counts_a_collection():
     finally:
         gc.enable()
     assert GC_CLOCK.collections == before_n + 1        # one full collection, stamped start and stop
-    assert GC_CLOCK.now_ns() > before_ns
+    assert GC_CLOCK.spent_ns() > before_ns
+    start, stop = GC_CLOCK.recent[-1]
+    assert GC_CLOCK.in_window_ns(start, stop) == stop - start > 0
+    assert GC_CLOCK.in_window_ns(stop, stop + 10**9) == 0                      # nothing collected since
+
+
+def test_a_window_counts_the_collections_inside_it_and_one_still_running():
+    c = GcClock()
+    c.recent.extend([(100, 200), (300, 400)])
+    assert c.in_window_ns(150, 350) == 50 + 50
+    assert c.in_window_ns(0, 1000) == 200
+    assert c.in_window_ns(400, 500) == 0                 # touching an end is not inside
+    c._started_ns = 450                                  # started, its stop callback not run yet
+    assert c.in_window_ns(400, 500) == 50 and c.in_window_ns(460, 470) == 10
 
 
 def test_installing_twice_hooks_once():

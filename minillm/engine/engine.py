@@ -198,7 +198,6 @@ class LLMEngine:
         self._check_thread()
         with self._lock:
             rec = StepRecord(next(self._steps), now_ns())
-            gc_start_ns = GC_CLOCK.now_ns()
             batch = self.scheduler.schedule()
             if batch is None:
                 return []
@@ -209,11 +208,10 @@ class LLMEngine:
                 token_ids, logprobs = self.runner.execute(batch, rec)
             except Exception as e:   # e.g. out of memory: fail this batch, keep the engine alive
                 rec.error = f"{type(e).__name__}: {e}"
-                rec.gc_ms = (GC_CLOCK.now_ns() - gc_start_ns) / 1e6
+                rec.gc_ms = GC_CLOCK.in_window_ns(rec.t_start_ns, now_ns()) / 1e6
                 self.step_history.append(rec)
                 return self._fail_batch(batch, e)
             t = rec.t_ns[-1]
-            gc_sampled_ns = GC_CLOCK.now_ns()                                      # ≈ at the sampled mark
             outs = []
             for (seq, n), tok, lp in zip(batch.rows, token_ids, logprobs):
                 was_prefill = seq.in_prefill
@@ -222,10 +220,9 @@ class LLMEngine:
                     self._record_chunk(seq, n, rec, t)
                 if tok is not None:
                     outs.append(self._append_token(seq, tok, lp, t))
-            gc_end_ns = GC_CLOCK.now_ns()            # read before the last mark: gc_ms stays inside wall_ms
             rec.mark(now_ns())                                                    # outputs processed
-            rec.gc_ms = (gc_end_ns - gc_start_ns) / 1e6
-            rec.gc_output_ms = (gc_end_ns - gc_sampled_ns) / 1e6
+            rec.gc_ms = GC_CLOCK.in_window_ns(rec.t_start_ns, rec.t_ns[-1]) / 1e6      # inside wall_ms
+            rec.gc_output_ms = GC_CLOCK.in_window_ns(t, rec.t_ns[-1]) / 1e6            # after the sampled mark
             self.step_history.append(rec)
             return outs
 

@@ -24,24 +24,38 @@ Two tools, each a few lines:
 from __future__ import annotations
 
 import gc
-import time
+from collections import deque
+
+from minillm.measure.trace import now_ns
 
 
 class GcClock:
-    """Total nanoseconds spent in the cyclic garbage collector since :meth:`install`, whichever
-    thread ran it (each holds the GIL while it runs). Read it before and after a stretch of work."""
+    """When the cyclic garbage collector ran, whichever thread ran it (each collection holds the
+    GIL): the total since :meth:`install` (``spent_ns``, ``collections``) and the last collections'
+    ``[start, stop]`` on the traces' clock, so a step can ask how much of *its* window they covered
+    (:meth:`in_window_ns`).
 
-    def __init__(self) -> None:
+    Why intervals rather than a running total read at a step's start and end: the ``stop``
+    callback is Python code, and the engine thread, which has waited for the GIL through the whole
+    collection, may take it before that code runs; a total read then misses a collection that
+    is over, and the next step is charged for it. An interval still open (started, not yet
+    stopped) counts up to the end of the window asked about, so a step's share never exceeds
+    its own wall time."""
+
+    def __init__(self, keep: int = 256) -> None:
         self.total_ns = 0
         self.collections = 0
+        self.recent: deque[tuple[int, int]] = deque(maxlen=keep)   # (start, stop), oldest first
         self._started_ns: int | None = None
 
     def _callback(self, phase: str, info: dict) -> None:
         # Runs in whichever thread triggered the collection, with the GIL held: no lock needed.
         if phase == "start":
-            self._started_ns = time.perf_counter_ns()
+            self._started_ns = now_ns()
         elif self._started_ns is not None:
-            self.total_ns += time.perf_counter_ns() - self._started_ns
+            stop = now_ns()
+            self.recent.append((self._started_ns, stop))
+            self.total_ns += stop - self._started_ns
             self.collections += 1
             self._started_ns = None
 
@@ -50,8 +64,22 @@ class GcClock:
             gc.callbacks.append(self._callback)
         return self
 
-    def now_ns(self) -> int:
+    def spent_ns(self) -> int:
+        """Nanoseconds spent in collections since :meth:`install` (read before and after)."""
         return self.total_ns
+
+    def in_window_ns(self, t0_ns: int, t1_ns: int) -> int:
+        """How much of ``[t0_ns, t1_ns]`` (the traces' clock) collections covered, one still
+        running included up to ``t1_ns``."""
+        covered = 0
+        started = self._started_ns
+        if started is not None:
+            covered += max(0, t1_ns - max(started, t0_ns))
+        for start, stop in reversed(self.recent):                    # newest first
+            if stop <= t0_ns:
+                break
+            covered += max(0, min(stop, t1_ns) - max(start, t0_ns))
+        return covered
 
 
 GC_CLOCK = GcClock().install()   # one per process: the collector is one per process
