@@ -11,6 +11,7 @@ than KV slots), not how many milliseconds anything took.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 
 import pytest
@@ -392,7 +393,11 @@ def test_a_live_server_over_http(tmp_path, capsys):
     try:
         bodies = [{"prompt": f"request {i}: where did the time go?", "max_tokens": 24, "ignore_eos": True,
                    "temperature": 0} for i in range(8)]
-        results = run_concurrent(srv.url, bodies, api_key=key, timeout_s=120)
+        gc.disable()            # the burst without the test process's full collections (100-300 ms each)
+        try:
+            results = run_concurrent(srv.url, bodies, api_key=key, timeout_s=120)
+        finally:
+            gc.enable()
         assert all(r.status == 200 for r in results), [r.error for r in results]
         items = dg.fetch_traces(srv.url, key, page_size=3)             # three pages and a bit
         assert len(items) == 8 and len({it["request_id"] for it in items}) == 8

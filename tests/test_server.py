@@ -60,6 +60,29 @@ def wait_idle(srv, timeout: float = 15.0) -> dict:
     raise AssertionError(f"the server did not become idle: {srv.state.stats()}")
 
 
+class EngineGate:
+    """Holds the engine between steps once ``hold()`` is called, until ``release()``: a test
+    that needs requests to stay in flight gets that by construction, not by racing their tokens."""
+
+    def __init__(self, srv) -> None:
+        self.runner = srv.state.engine.runner
+        self.real = self.runner.execute
+        self.held, self.open = threading.Event(), threading.Event()
+        self.runner.execute = self._execute
+
+    def _execute(self, *args, **kwargs):
+        if self.held.is_set():
+            self.open.wait(timeout=60)
+        return self.real(*args, **kwargs)
+
+    def hold(self) -> None:
+        self.held.set()
+
+    def release(self) -> None:
+        self.open.set()
+        self.runner.execute = self.real
+
+
 def assert_openai_error(r: httpx.Response, status: int, code: str) -> dict:
     assert r.status_code == status, (r.status_code, r.text)
     err = r.json()["error"]
@@ -123,18 +146,24 @@ def test_429_rate_limit_with_retry_after(strict):
 def test_503_when_the_queue_is_full_then_recovers(strict):
     # two long streams fill the queue (depth 2); a third caller (its own key, so no 429) gets 503
     long = {"prompt": "hold the slot", "max_tokens": 240, "temperature": 0, "ignore_eos": True, "stream": True}
-    with httpx.Client(timeout=60) as c:
-        with c.stream("POST", strict.url + "/v1/completions", json=long, headers=auth(STRICT_KEYS[1])) as r1, \
-                c.stream("POST", strict.url + "/v1/completions", json=long, headers=auth(STRICT_KEYS[2])) as r2:
-            assert r1.status_code == r2.status_code == 200
-            # keep the iterators: dropping one closes its connection, i.e. hangs up
-            lines1, lines2 = r1.iter_lines(), r2.iter_lines()
-            next(lines1), next(lines2)                            # both are inside and generating
-            assert strict.state.gateway.admission.depth == 2
-            r3 = httpx.post(strict.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2},
-                            headers=auth(STRICT_KEYS[3]), timeout=30)
-            err = assert_openai_error(r3, 503, "queue_full")
-            assert err["type"] == "server_error" and int(r3.headers["Retry-After"]) >= 1
+    gate = EngineGate(strict)
+    try:
+        with httpx.Client(timeout=60) as c:
+            with c.stream("POST", strict.url + "/v1/completions", json=long, headers=auth(STRICT_KEYS[1])) as r1, \
+                    c.stream("POST", strict.url + "/v1/completions", json=long, headers=auth(STRICT_KEYS[2])) as r2:
+                assert r1.status_code == r2.status_code == 200
+                # keep the iterators: dropping one closes its connection, i.e. hangs up
+                lines1, lines2 = r1.iter_lines(), r2.iter_lines()
+                next(lines1), next(lines2)                        # both are inside and generating
+                gate.hold()                                       # and stay so, however slow this thread is
+                assert strict.state.gateway.admission.depth == 2
+                r3 = httpx.post(strict.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                                headers=auth(STRICT_KEYS[3]), timeout=30)
+                err = assert_openai_error(r3, 503, "queue_full")
+                assert err["type"] == "server_error" and int(r3.headers["Retry-After"]) >= 1
+                gate.release()
+    finally:
+        gate.release()
     # leaving the `with` hung up both streams: their slots and queue places must come back
     stats = wait_idle(strict)
     assert stats["free_slots"] == stats["num_slots"]
