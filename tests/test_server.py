@@ -389,3 +389,20 @@ def test_bench_http_returns_well_formed_results():
     table = rep.table()
     assert "target" in table and "≤ 3 ms" in table and "×" in table
     json.dumps(d)
+
+
+def test_an_abort_counts_as_inside_until_its_callback_has_run():
+    """The abort callback stores the request's trace: until it has run, the server is not idle
+    (else a test or a client waiting for idle could read the traces a moment too early)."""
+    from minillm.engine.llm import LLM
+    from minillm.serving.engine_loop import Abort, EngineLoop
+    loop = EngineLoop(LLM("tiny", device="cpu", max_batch_size=1).engine)
+    seen = []
+    with loop._cv:                                   # as the engine thread takes its aborts
+        loop._aborts.append(Abort("gone", then=lambda: seen.append(loop.stats()["aborts"])))
+        assert loop.stats()["aborts"] == 1
+        aborts, loop._aborts = loop._aborts, []
+        loop._aborting = len(aborts)
+    assert loop.stats()["aborts"] == 1
+    loop._abort(aborts[0])
+    assert seen == [1] and loop.stats()["aborts"] == 0

@@ -50,6 +50,7 @@ class EngineLoop:
         self._inbox: list[Stream] = []
         self._aborts: list[Abort] = []
         self._streams: dict[str, Stream] = {}       # touched by the engine thread only
+        self._aborting = 0                          # aborts taken from the inbox, their callbacks not yet run
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.steps = 0
@@ -103,7 +104,7 @@ class EngineLoop:
         e = self.engine
         return {"running": e.num_running, "waiting": e.num_waiting, "free_slots": e.allocator.num_free,
                 "num_slots": e.cache.num_slots, "streams": len(self._streams), "inbox": len(self._inbox),
-                "sequences": len(e._seqs), "steps": self.steps}
+                "aborts": len(self._aborts) + self._aborting, "sequences": len(e._seqs), "steps": self.steps}
 
     # -- the engine thread ---------------------------------------------------------------
     def _run(self) -> None:
@@ -116,6 +117,7 @@ class EngineLoop:
                         break
                     inbox, self._inbox = self._inbox, []
                     aborts, self._aborts = self._aborts, []
+                    self._aborting = len(aborts)  # still "inside" until each callback has run (stats)
                 for s in inbox:
                     self._admit(s)
                 for a in aborts:                  # after the inbox: an abort may follow its submit
@@ -137,11 +139,13 @@ class EngineLoop:
         if self._streams.pop(a.request_id, None) is not None:
             self.engine.abort(a.request_id)       # records `finished` reason=abort, frees the slot
             self.engine.pop_finished(a.request_id)
-        if a.then is not None:
-            try:
+        try:
+            if a.then is not None:
                 a.then()
-            except Exception:
-                log.exception("abort callback failed for %s", a.request_id)
+        except Exception:
+            log.exception("abort callback failed for %s", a.request_id)
+        finally:
+            self._aborting -= 1
 
     def _step(self) -> None:
         try:

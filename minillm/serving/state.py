@@ -246,10 +246,12 @@ class ServingState:
         return {**self.loop.stats(), "admitted": self.gateway.admission.depth}
 
     def idle(self) -> bool:
-        """True when nothing is inside: no stream, no sequence, every KV slot free, no admission held."""
+        """True when nothing is inside: no stream, no sequence, every KV slot free, no admission held,
+        no abort whose callback (which stores the request's trace) has yet to run."""
         s = self.stats()
         return (s["running"] == 0 and s["waiting"] == 0 and s["streams"] == 0 and s["inbox"] == 0
-                and s["sequences"] == 0 and s["free_slots"] == s["num_slots"] and s["admitted"] == 0)
+                and s["aborts"] == 0 and s["sequences"] == 0 and s["free_slots"] == s["num_slots"]
+                and s["admitted"] == 0)
 
     def start(self) -> None:
         if self.auth.open:
