@@ -2,8 +2,8 @@
 accelerator, that no phase of a step names).
 
 CPython's cyclic collector runs when allocations pass a threshold, in whichever thread allocated,
-and holds the GIL while it runs: the engine thread stops mid-step, and every stream's next token
-waits. A full (generation-2) collection walks every tracked object, so its cost grows with the
+and holds the GIL while it runs: the engine thread's Python stops mid-step (an operator already
+running in C++ goes on; the next one waits), and every stream's next token waits. A full (generation-2) collection walks every tracked object, so its cost grows with the
 heap, whatever the model. Three measurements:
 
 - :func:`collection_cost_by_heap`: a full collection's time in this process, with more live
