@@ -357,12 +357,25 @@ def test_stop_ends_open_streams_and_leaves_no_thread():
                                                         "temperature": 0, "ignore_eos": True})
             events.append(res.error or "no error")
 
+    # once the request runs, the engine waits between steps until the server is stopping: the
+    # stream is still open when stop() comes, however slow this thread is
+    runner, stopping = srv.state.engine.runner, lambda: srv.state.loop._stopping
+    real, hold = runner.execute, threading.Event()
+
+    def execute_until_stopping(*args, **kwargs):
+        t_give_up = time.monotonic() + 30
+        while hold.is_set() and not stopping() and time.monotonic() < t_give_up:
+            time.sleep(0.005)
+        return real(*args, **kwargs)
+
+    runner.execute = execute_until_stopping
     t = threading.Thread(target=lambda: asyncio.run(one()))
     t.start()
     t_end = time.monotonic() + 30
     while not srv.state.stats()["running"]:
         assert time.monotonic() < t_end, "the request never started"
         time.sleep(0.01)
+    hold.set()
     t0 = time.monotonic()
     srv.stop()
     t.join(30)
