@@ -373,19 +373,21 @@ class _RawServer:
 def test_broken_server_gives_failed_requests_not_a_crash():
     srv = _RawServer()
     try:
-        res = run_bench(BenchConfig(base_url=srv.url, num_prompts=10, random_input_len=4, random_output_len=2,
-                                    max_concurrency=1, timeout_s=1.0))
+        # one cycle of the five modes; 3 s for the one that never finishes, so a pause of this process
+        # (a full garbage collection) cannot turn one of the others into a timeout
+        res = run_bench(BenchConfig(base_url=srv.url, num_prompts=5, random_input_len=4, random_output_len=2,
+                                    max_concurrency=1, timeout_s=3.0))
     finally:
         srv.close()
     assert res.model == "fake"
-    assert len(res.records) == 10 and res.n_ok + res.n_failed == 10
+    assert len(res.records) == 5 and res.n_ok + res.n_failed == 5
     by_index = sorted(res.records, key=lambda r: r.index)
     kinds = [r.error.split(":")[0] if r.error else "ok" for r in by_index]
     # max_concurrency=1: requests reach the server in order, so mode = index % 5
-    assert kinds == ["ok", "server error event mid-stream", "connection closed", "HTTP 500", "timeout"] * 2, kinds
-    assert res.n_ok == 2 and res.n_failed == 8
-    assert res.summary.output_tokens == 2
-    assert all(by_index[i].status == 500 for i in (3, 8))
+    assert kinds == ["ok", "server error event mid-stream", "connection closed", "HTTP 500", "timeout"], kinds
+    assert res.n_ok == 1 and res.n_failed == 4
+    assert res.summary.output_tokens == 1
+    assert by_index[3].status == 500
     json.dumps(res.to_dict())                       # failed records serialise too
 
 
