@@ -284,8 +284,13 @@ def test_64_concurrent_streams_with_disconnects_leak_nothing(server):
 
 def test_non_streaming_client_that_gives_up_frees_its_slot(server):
     body = {"prompt": "a long answer please", "max_tokens": 240, "temperature": 0, "ignore_eos": True}
-    with pytest.raises(httpx.TimeoutException):
-        httpx.post(server.url + "/v1/completions", json=body, headers=auth(), timeout=0.05)
+    gate = EngineGate(server)
+    gate.hold()                                   # no step until the client has given up, however fast
+    try:
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(server.url + "/v1/completions", json=body, headers=auth(), timeout=0.05)
+    finally:
+        gate.release()
     wait_idle(server)
     tr = server.traces()[-1]                      # stored when the server saw the client go
     assert tr.last("finished").extra["reason"] == "disconnected"
