@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from minillm.engine.gc_pauses import GC_CLOCK, GcClock
-from minillm.measure.server_load import _wait_up
+from minillm.measure.server_load import _stop, _wait_up
 
 
 def test_the_clock_counts_a_collection():
@@ -103,12 +103,7 @@ def test_serve_freezes_its_start_up_heap(tmp_path):
         steps = httpx.get(url + "/v1/steps", timeout=10).json()["data"]
         assert steps and all(s["gc_ms"] >= 0 for s in steps)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        _stop(proc)
     assert "froze" in (tmp_path / "err.txt").read_text()
 
 

@@ -443,16 +443,26 @@ def default_read_bytes(device: torch.device) -> int:
     if device.type != "cpu":
         return default_copy_bytes(device)
     llc = last_level_cache_bytes(device) or 0
-    return int(min(max(512 * 2**20, 2 * llc), _host_available_bytes() // 8))
+    return int(min(max(512 * 2**20, 2 * llc), _measurement_room_bytes(device)))
 
 
 def default_copy_bytes(device: torch.device) -> int:
     """Well past the last-level cache (a server CPU's L3 can exceed 100 MB; an H100's L2 is 50 MB)."""
     if device.type == "cuda":
-        return min(2 * 2**30, free_memory_bytes(device) // 4)
+        return min(2 * 2**30, _measurement_room_bytes(device))
+    if device.type == "mps":
+        return _measurement_room_bytes(device)
+    return min(512 * 2**20, _measurement_room_bytes(device))
+
+
+def _measurement_room_bytes(device: torch.device) -> int:
+    """The most a bandwidth buffer may take: an eighth of the host's free memory, a quarter of a
+    GPU's, 512 MiB on MPS (which reports none)."""
+    if device.type == "cuda":
+        return free_memory_bytes(device) // 4
     if device.type == "mps":
         return 512 * 2**20
-    return min(512 * 2**20, _host_available_bytes() // 8)
+    return _host_available_bytes() // 8
 
 
 def measure_copy_bandwidth(device: torch.device | str | None = None, nbytes: int | None = None,
@@ -515,8 +525,7 @@ def measure_step_read_bandwidth(device: torch.device | str | None, bytes_per_ste
     llc = last_level_cache_bytes(dev)
     if llc and nbytes >= 2 * llc:
         return None
-    room = {"cpu": lambda: _host_available_bytes() // 8, "cuda": lambda: free_memory_bytes(dev) // 4}
-    if nbytes > room.get(dev.type, lambda: 512 * 2**20)():
+    if nbytes > _measurement_room_bytes(dev):
         return None
     return measure_read_bandwidth(dev, nbytes=nbytes)
 

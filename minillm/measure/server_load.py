@@ -80,6 +80,16 @@ def _wait_up(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
     raise TimeoutError("the server did not come up")
 
 
+def _stop(proc: subprocess.Popen, timeout: float = 30) -> None:
+    """Terminate a server process; kill it if it has not exited within ``timeout`` s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def _send(url: str, key: str, n: int, concurrency: int = 16) -> None:
     """n short requests (closed loop, ``concurrency`` at a time) for the memory rounds."""
     import asyncio
@@ -133,9 +143,5 @@ def run_server_load(model: str = "tiny", connections: int = 16, duration_s: floa
                                   "-s", f.name, url + "/v1/completions"], capture_output=True, text=True, check=True)
             res.requests_per_s, res.latency_p50_ms, res.latency_p99_ms, res.non_2xx = _parse_wrk(out.stdout)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        _stop(proc)
     return res
