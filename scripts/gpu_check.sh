@@ -1,34 +1,54 @@
 #!/usr/bin/env bash
-# Everything GPU-specific in one go (the GPU issue), sized by estimate to finish in about 8 minutes
-# on one H200: the timeouts below sum to 480 s, and every step keeps what it measured if killed.
-# It has never run on a GPU yet. Results go under $OUT when it is set (the device tool), else
-# runs/gpu-check/. The device tool returns at most 8 files: everything is bundled in one tgz and
-# the main JSON files are copied beside it.
+# Everything GPU-specific in one go (the GPU issue), on one H200. The step timeouts sum to 540 s;
+# each step writes its results as it goes, and the bundle is rebuilt after every step, so a run
+# cut short still returns what finished. Results go under $OUT when it is set (the device tool),
+# else runs/gpu-check/. The device tool returns at most 8 files: the working files live outside
+# $OUT, and $OUT only ever holds the bundle (gpu-check.tgz), the log (gpu-check.txt) and the
+# roofline JSON.
 #
-#   bash scripts/gpu_check.sh            # then commit the JSON under figures/reference/
+#   bash scripts/gpu_check.sh            # then unpack into figures/reference/h200/
 #
+# 0. provenance: GPU name, driver, CUDA, clocks (nvidia-smi), torch/triton/transformers versions
 # 1. doctor (torch build, NVML name/memory/spec bandwidth)
 # 2. the llama-3.1-8b twin in bf16: decode sweep 1 → 256 with CUDA graphs, "ideal" and "served"
-#    (measured read and copy bandwidth, bf16 matmul peak inside)              → figures/reference/
-# 3. batch-1 engine decode, CUDA graphs on and off (--enforce-eager), against transformers; then
-#    through torch.compile (--compile: never run on CUDA yet)
+#    (measured read and copy bandwidth, bf16 matmul peak inside)
+# 3. batch-1 engine decode, CUDA graphs on and off (--enforce-eager), against transformers
 # 4. 10.4: prefill sweep to 8192, decode beside it, the stall and the chunk trade-off
-#                                                                     → figures/reference/prefill-decode/
 # 5. 10.5: engine decode eager vs graphs at batch 1, 8, 64 (tiny and the 8B twin), sampling at 8k and
-#    128k, profile_steps on tiny at batch 1 eager vs graphs, step phases   → figures/reference/
+#    128k, profile_steps on tiny at batch 1 eager vs graphs, step phases
+# 6. batch-1 engine decode through torch.compile (Inductor/Triton, then graph capture), last: the
+#    step most likely to take long (24 new tokens keep it to one K/V bucket, one compilation)
 #
 # Dry run on a CPU (checks the script's logic, not the GPU paths):
 #   MODEL=tiny DTYPE=fp32 MAXB=8 LENGTHS=16,64,256 STALL=512 ALLOW_CPU=--allow-cpu bash scripts/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 FINAL="${OUT:-runs/gpu-check}"
-OUT="$FINAL/all"
-mkdir -p "$OUT"
+WORK="$(mktemp -d)"
+OUT="$WORK/all"
+mkdir -p "$OUT" "$FINAL"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"   # runs from the source tree: no install needed
 PY="${PYTHON:-python3}"
 MODEL="${MODEL:-llama-3.1-8b}"; DTYPE="${DTYPE:-bf16}"; MAXB="${MAXB:-256}"
 LENGTHS="${LENGTHS:-16,64,256,1024,2048,4096,8192}"; STALL="${STALL:-4096}"; ALLOW_CPU="${ALLOW_CPU:-}"
-step() { echo; echo "=== $* ($(date +%T))"; }
+bundle() {   # everything so far, into the (at most 3) files that come back
+    tar -czf "$FINAL/gpu-check.tgz" -C "$WORK" all
+    cat "$OUT"/*.txt > "$FINAL/gpu-check.txt" 2>/dev/null
+    cp "$OUT"/roofline-*.json "$FINAL/" 2>/dev/null
+    return 0
+}
+step() { bundle; echo; echo "=== $* ($(date +%T))"; }
+
+step provenance
+{
+    echo "command: bash scripts/gpu_check.sh (MODEL=$MODEL DTYPE=$DTYPE MAXB=$MAXB LENGTHS=$LENGTHS STALL=$STALL)"
+    echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)  host: $(hostname)  kernel: $(uname -r)"
+    echo "git: ${GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,clocks.max.sm,clocks.max.mem,power.limit,pstate --format=csv 2>&1
+    nvidia-smi 2>&1 | head -20
+    timeout 10 $PY -c "import sys, torch, triton, transformers; print('python', sys.version.split()[0]); print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version()); print('triton', triton.__version__, 'transformers', transformers.__version__); p = torch.cuda.get_device_properties(0) if torch.cuda.is_available() else None; print('device', p)" 2>&1
+    which gcc g++ nvcc 2>&1
+} 2>&1 | tee "$OUT/provenance.txt"
 
 step doctor
 timeout 20 $PY -m minillm doctor 2>&1 | tee "$OUT/doctor.txt"
@@ -38,18 +58,14 @@ timeout 150 $PY -m minillm roofline --model "$MODEL" --dtype "$DTYPE" --max-batc
     --steps 8 --out "$OUT" --figures "$OUT" 2>&1 | tee "$OUT/roofline.txt"
 
 step "batch-1 engine decode: CUDA graphs, then --enforce-eager (and transformers once)"
-timeout 30 $PY -m minillm bench --model "$MODEL" --dtype "$DTYPE" --new-tokens 64 --repeats 2 \
+timeout 45 $PY -m minillm bench --model "$MODEL" --dtype "$DTYPE" --new-tokens 64 --repeats 2 \
     --json "$OUT/bench-graphs.json" 2>&1 | tee "$OUT/bench.txt"
-timeout 20 $PY -m minillm bench --model "$MODEL" --dtype "$DTYPE" --new-tokens 64 --repeats 2 \
+timeout 30 $PY -m minillm bench --model "$MODEL" --dtype "$DTYPE" --new-tokens 64 --repeats 2 \
     --no-transformers --enforce-eager --json "$OUT/bench-eager.json" 2>&1 | tee -a "$OUT/bench.txt"
-
-step "batch-1 engine decode through torch.compile (Inductor/Triton, then graph capture; issue 14)"
-timeout 60 $PY -m minillm bench --model "$MODEL" --dtype "$DTYPE" --new-tokens 64 --repeats 2 \
-    --no-transformers --compile --json "$OUT/bench-compiled.json" 2>&1 | tee -a "$OUT/bench.txt"
 
 step "10.4 prefill vs decode, stall $STALL, chunk trade-off"
 mkdir -p "$OUT/prefill-decode"
-timeout 100 $PY -m minillm.measure.prefill_decode --model "$MODEL" --dtype "$DTYPE" --lengths "$LENGTHS" \
+timeout 90 $PY -m minillm.measure.prefill_decode --model "$MODEL" --dtype "$DTYPE" --lengths "$LENGTHS" \
     --batches 1,8,64 --context 512 --repeats 2 --stall-long "$STALL" --n-short 8 --budgets 256,1024,4096 \
     --out "$OUT/prefill-decode" 2>&1 | tee "$OUT/prefill-decode.txt"
 
@@ -58,10 +74,12 @@ mkdir -p "$OUT/outside"
 timeout 100 $PY -m minillm.measure.outside_reference --out "$OUT/outside" --models "tiny,$MODEL" \
     --batches 1,8,64 --context 512 --steps 20 $ALLOW_CPU 2>&1 | tee "$OUT/outside.txt"
 
+step "batch-1 engine decode through torch.compile (Inductor/Triton, then graph capture)"
+timeout 120 $PY -m minillm bench --model "$MODEL" --dtype "$DTYPE" --new-tokens 24 --repeats 2 \
+    --no-transformers --compile --json "$OUT/bench-compiled.json" 2>&1 | tee -a "$OUT/bench.txt"
+
 step done
 ls -la "$OUT"
-tar -czf "$FINAL/gpu-check.tgz" -C "$FINAL" all
-cp "$OUT"/roofline-*.json "$FINAL/" 2>/dev/null
-cat "$OUT"/*.txt > "$FINAL/gpu-check.txt" 2>/dev/null
-rm -rf "$OUT"
+bundle
+rm -rf "$WORK"
 ls -la "$FINAL"
