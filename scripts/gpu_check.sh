@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything GPU-specific in one go (the GPU issue), on one H200. The step timeouts sum to 540 s;
+# Everything GPU-specific in one go (the GPU issue), on one H200. The step timeouts sum to 625 s;
 # each step writes its results as it goes, and the bundle is rebuilt after every step, so a run
 # cut short still returns what finished. Results go under $OUT when it is set (the device tool),
 # else runs/gpu-check/. The device tool returns at most 8 files: the working files live outside
@@ -16,7 +16,8 @@
 # 4. 10.4: prefill sweep to 8192, decode beside it, the stall and the chunk trade-off
 # 5. 10.5: engine decode eager vs graphs at batch 1, 8, 64 (tiny and the 8B twin), sampling at 8k and
 #    128k, profile_steps on tiny at batch 1 eager vs graphs, step phases
-# 6. batch-1 engine decode through torch.compile (Inductor/Triton, then graph capture), last: the
+# 6. profile_steps of $MODEL at batch 1, eager and graphs: the kernels of one decode step
+# 7. batch-1 engine decode through torch.compile (Inductor/Triton, then graph capture), last: the
 #    step most likely to take long (24 new tokens keep it to one K/V bucket, one compilation)
 #
 # Dry run on a CPU (checks the script's logic, not the GPU paths):
@@ -73,6 +74,11 @@ step "10.5 eager vs graphs, sampling 8k/128k, profile tiny, step phases"
 mkdir -p "$OUT/outside"
 timeout 100 $PY -m minillm.measure.outside_reference --out "$OUT/outside" --models "tiny,$MODEL" \
     --batches 1,8,64 --context 512 --steps 20 $ALLOW_CPU 2>&1 | tee "$OUT/outside.txt"
+
+step "10.5 where the batch-1 step of $MODEL goes: profile_steps, eager and with graphs"
+mkdir -p "$OUT/profile-model"
+timeout 60 $PY -m minillm.measure.outside_reference --out "$OUT/profile-model" --only profile \
+    --profile-model "$MODEL" --profile-top 25 --context 512 $ALLOW_CPU 2>&1 | tee "$OUT/profile-model.txt"
 
 step "batch-1 engine decode through torch.compile (Inductor/Triton, then graph capture)"
 timeout 120 $PY -m minillm bench --model "$MODEL" --dtype "$DTYPE" --new-tokens 24 --repeats 2 \

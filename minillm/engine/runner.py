@@ -30,7 +30,12 @@ import time
 import torch
 import torch._dynamo
 
-from minillm.engine.attention import AttentionBackend, AttentionMetadata, build_metadata
+from minillm.engine.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    avoid_per_shape_attention_plans,
+    build_metadata,
+)
 from minillm.engine.cuda_graphs import GraphPool
 from minillm.engine.kv_cache import KVCache
 from minillm.engine.sampling import (
@@ -91,6 +96,7 @@ class ModelRunner:
         cfg = model.config
         self.model, self.cache, self.device = model, cache, model.device
         self.backend = AttentionBackend(cache, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        avoid_per_shape_attention_plans(self.device)
         self.sampler = Sampler(self.device, seed)
         self.sync_timing = sync_timing
         self.use_cuda_graphs = self.device.type == "cuda" and not enforce_eager

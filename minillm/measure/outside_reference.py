@@ -85,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sampling-batches", default="1,2,4,8,16,32,64")
     ap.add_argument("--only", default=",".join(k.removeprefix("outside-") for k in KINDS),
                     help="which parts: graphs,sampling,profile,phases")
+    ap.add_argument("--profile-model", default="tiny", help="the model profile_steps runs (batch 1)")
+    ap.add_argument("--profile-top", type=int, default=10, help="rows of the profile's op table")
     ap.add_argument("--allow-cpu", action="store_true", help="a dry run on a CPU (skips graphs)")
     a = ap.parse_args(argv)
 
@@ -123,14 +125,15 @@ def main(argv: list[str] | None = None) -> int:
 
     if "profile" in parts:
         from minillm.measure.outside_profile import profile_decode
-        print("== profile_steps: tiny, batch 1, eager and with graphs", flush=True)
+        print(f"== profile_steps: {a.profile_model}, batch 1, eager and with graphs", flush=True)
         profs = {}
         for mode in (("eager", "graphs") if dev.type == "cuda" else ("eager",)):
-            p = profile_decode("tiny", batch=1, context=a.context, n_steps=20, enforce_eager=mode == "eager")
-            print(mode, p.summary(), p.op_table(10), sep="\n", flush=True)
+            p = profile_decode(a.profile_model, batch=1, context=a.context, n_steps=20,
+                               enforce_eager=mode == "eager", top=a.profile_top)
+            print(mode, p.summary(), p.op_table(a.profile_top), sep="\n", flush=True)
             profs[mode] = p.to_dict()
-        written.append(write_reference(a.out, "outside-profile", {"model": "tiny", "batch": 1, "context": a.context,
-                                                                  "profiles": profs}, dev, cmd))
+        written.append(write_reference(a.out, "outside-profile", {"model": a.profile_model, "batch": 1,
+                                                                  "context": a.context, "profiles": profs}, dev, cmd))
 
     if "phases" in parts:
         from minillm.measure.outside_steps import measure_phase_cases, phase_table
