@@ -39,8 +39,14 @@ bundle() {   # everything so far, into the (at most 3) files that come back
     return 0
 }
 step() { bundle; echo; echo "=== $* ($(date +%T))"; }
+# ONLY="roofline bench ...": run just those steps (provenance, doctor, roofline, bench, bench-eager, prefill,
+# outside, profile, compile); OUTSIDE_MODELS, OUTSIDE_ONLY and BENCH_HF=--no-transformers narrow them
+want() { [[ -z "${ONLY:-}" || " $ONLY " == *" $1 "* ]]; }
+OUTSIDE_MODELS="${OUTSIDE_MODELS:-tiny,$MODEL}"; OUTSIDE_ONLY="${OUTSIDE_ONLY:-graphs,sampling,profile,phases}"
+BENCH_HF="${BENCH_HF:-}"
 
 step provenance
+if want provenance; then
 {
     echo "command: bash scripts/gpu_check.sh (MODEL=$MODEL DTYPE=$DTYPE MAXB=$MAXB LENGTHS=$LENGTHS STALL=$STALL)"
     echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)  host: $(hostname)  kernel: $(uname -r)"
@@ -50,39 +56,56 @@ step provenance
     timeout 10 $PY -c "import sys, torch, triton, transformers; print('python', sys.version.split()[0]); print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version()); print('triton', triton.__version__, 'transformers', transformers.__version__); p = torch.cuda.get_device_properties(0) if torch.cuda.is_available() else None; print('device', p)" 2>&1
     which gcc g++ nvcc 2>&1
 } 2>&1 | tee "$OUT/provenance.txt"
+fi
 
 step doctor
+if want doctor; then
 timeout 20 $PY -m minillm doctor 2>&1 | tee "$OUT/doctor.txt"
+fi
 
 step "roofline sweep: $MODEL $DTYPE, batches 1..$MAXB, CUDA graphs on, ideal + served"
+if want roofline; then
 timeout 150 $PY -m minillm roofline --model "$MODEL" --dtype "$DTYPE" --max-batch "$MAXB" --context 512 \
     --steps 8 --out "$OUT" --figures "$OUT" 2>&1 | tee "$OUT/roofline.txt"
+fi
 
 step "batch-1 engine decode: CUDA graphs, then --enforce-eager (and transformers once)"
+if want bench; then
 timeout 45 $PY -m minillm bench --model "$MODEL" --dtype "$DTYPE" --new-tokens 64 --repeats 2 \
-    --json "$OUT/bench-graphs.json" 2>&1 | tee "$OUT/bench.txt"
+    $BENCH_HF --json "$OUT/bench-graphs.json" 2>&1 | tee "$OUT/bench.txt"
+fi
+if want bench-eager; then
 timeout 30 $PY -m minillm bench --model "$MODEL" --dtype "$DTYPE" --new-tokens 64 --repeats 2 \
     --no-transformers --enforce-eager --json "$OUT/bench-eager.json" 2>&1 | tee -a "$OUT/bench.txt"
+fi
 
 step "10.4 prefill vs decode, stall $STALL, chunk trade-off"
+if want prefill; then
 mkdir -p "$OUT/prefill-decode"
 timeout 90 $PY -m minillm.measure.prefill_decode --model "$MODEL" --dtype "$DTYPE" --lengths "$LENGTHS" \
     --batches 1,8,64 --context 512 --repeats 2 --stall-long "$STALL" --n-short 8 --budgets 256,1024,4096 \
     --out "$OUT/prefill-decode" 2>&1 | tee "$OUT/prefill-decode.txt"
+fi
 
 step "10.5 eager vs graphs, sampling 8k/128k, profile tiny, step phases"
+if want outside; then
 mkdir -p "$OUT/outside"
-timeout 100 $PY -m minillm.measure.outside_reference --out "$OUT/outside" --models "tiny,$MODEL" \
+timeout 100 $PY -m minillm.measure.outside_reference --out "$OUT/outside" --models "$OUTSIDE_MODELS" --only "$OUTSIDE_ONLY" \
     --batches 1,8,64 --context 512 --steps 20 $ALLOW_CPU 2>&1 | tee "$OUT/outside.txt"
+fi
 
 step "10.5 where the batch-1 step of $MODEL goes: profile_steps, eager and with graphs"
+if want profile; then
 mkdir -p "$OUT/profile-model"
 timeout 60 $PY -m minillm.measure.outside_reference --out "$OUT/profile-model" --only profile \
     --profile-model "$MODEL" --profile-top 25 --context 512 $ALLOW_CPU 2>&1 | tee "$OUT/profile-model.txt"
+fi
 
 step "batch-1 engine decode through torch.compile (Inductor/Triton, then graph capture)"
+if want compile; then
 timeout 120 $PY -m minillm bench --model "$MODEL" --dtype "$DTYPE" --new-tokens 24 --repeats 2 \
     --no-transformers --compile --json "$OUT/bench-compiled.json" 2>&1 | tee -a "$OUT/bench.txt"
+fi
 
 step done
 ls -la "$OUT"

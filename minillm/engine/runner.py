@@ -33,6 +33,7 @@ import torch._dynamo
 from minillm.engine.attention import (
     AttentionBackend,
     AttentionMetadata,
+    attention_for_capture,
     avoid_per_shape_attention_plans,
     build_metadata,
 )
@@ -247,7 +248,10 @@ class ModelRunner:
             if not self.use_cuda_graphs:
                 out = step(sd)
             else:
-                replay = self.graphs.graphs.get(key) or self.graphs.capture(key, lambda: step(sd))
+                replay = self.graphs.graphs.get(key)
+                if replay is None:
+                    with attention_for_capture():        # fixed shapes: cuDNN's plan is built once
+                        replay = self.graphs.capture(key, lambda: step(sd))
                 out = replay()
         if first:       # the bucket's first step: compilation (and capture on CUDA) included
             synchronize(self.device)
