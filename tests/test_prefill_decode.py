@@ -281,14 +281,17 @@ def test_tradeoff_table_and_figures(llm, result, first, chunked, tmp_path):
         json.loads((tmp_path / "data" / f"10-4-{n}.json").read_text())
 
 
-def test_references_live_in_their_own_folder(tmp_path, result):
+def test_references_are_found_by_their_name_below_the_roots(tmp_path, result):
     assert pd.load_references([tmp_path / "missing"]) == []
-    d = tmp_path / "prefill-decode"
-    d.mkdir()
-    (d / "ref.json").write_text(json.dumps({"roofline": json.loads(json.dumps(result.to_dict()))}))
-    refs = pd.load_references([d, d])
+    d = tmp_path / "h200"
+    (d / "raw" / "run1").mkdir(parents=True)
+    doc = json.dumps({"roofline": json.loads(json.dumps(result.to_dict()))})
+    (d / "prefill-decode-tiny-fp32-cpu.json").write_text(doc)
+    (d / "raw" / "run1" / "prefill-decode-tiny-fp32-cpu.json").write_text(doc)   # an archive: not drawn
+    (d / "roofline-tiny-fp32-cpu.json").write_text("{}")                          # notebook 03's, not 04's
+    refs = pd.load_references([tmp_path, tmp_path])
     assert len(refs) == 1 and refs[0]["roofline"]["model"] == "tiny"
-    assert all("prefill-decode" in p for p in pd.REFERENCE_DIRS)     # not notebook 03's figures/reference/*.json
+    assert refs[0]["_path"].endswith("h200/prefill-decode-tiny-fp32-cpu.json")
 
 
 def test_command_line_writes_a_reference_the_figure_can_draw(tmp_path):

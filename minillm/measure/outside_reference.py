@@ -56,20 +56,20 @@ def write_reference(out_dir: str | Path, kind: str, result: dict, device, comman
 
 def load_references(dirs: list[str | Path] | tuple = REFERENCE_DIRS, root: str | Path | None = None
                     ) -> dict[str, list[tuple[Path, dict]]]:
-    """Every ``outside-*.json`` in ``dirs`` (relative to ``root``, default the repository), by
-    kind: ``{kind: [(path, {"kind", "provenance", "result"}), ...]}``. Empty lists when none."""
+    """Every ``outside-*.json`` below ``dirs`` (relative to ``root``, default the repository; ``raw``
+    archives skipped), by kind: ``{kind: [(path, {"kind", "provenance", "result"}), ...]}``.
+    Empty lists when none."""
+    from minillm.measure.references import reference_paths
     from minillm.measure.sweep import load_result
 
-    base = Path(root) if root is not None else Path(__file__).resolve().parents[2]
     found: dict[str, list[tuple[Path, dict]]] = {k: [] for k in KINDS}
-    for d in dirs:
-        for p in sorted((base / d).glob("outside-*.json")):
-            try:
-                doc = load_result(p)
-            except (OSError, ValueError):
-                continue
-            if doc.get("kind") in found:
-                found[doc["kind"]].append((p, doc))
+    for p in reference_paths("outside-*.json", tuple(dirs), root):
+        try:
+            doc = load_result(p)
+        except (OSError, ValueError):
+            continue
+        if doc.get("kind") in found:
+            found[doc["kind"]].append((p, doc))
     return found
 
 

@@ -803,23 +803,16 @@ def largest_budget_within(runs: Sequence[StallRun | dict], slo_ms: float, key: s
 
 # ----------------------------------------------------------------------------- references
 
-REFERENCE_DIRS = ("../figures/reference/prefill-decode", "figures/reference/prefill-decode")
-
-
-def load_references(dirs: Sequence[str | Path] = REFERENCE_DIRS) -> list[dict]:
-    """Reference runs (JSON written by ``python -m minillm.measure.prefill_decode``) found in
-    ``dirs``; an empty list when there are none. They live in a folder of their own, apart from
-    notebook 03's decode-sweep references."""
+def load_references(roots: Sequence[str | Path] | None = None, base: str | Path | None = None) -> list[dict]:
+    """Reference runs (``prefill-decode-*.json``, written by ``python -m minillm.measure.prefill_decode``)
+    below the reference folders (``minillm.measure.references``); an empty list when there are none."""
+    from minillm.measure.references import REFERENCE_ROOTS, reference_paths
     from minillm.measure.sweep import load_result
-    seen, out = set(), []
-    for d in dirs:
-        for p in sorted(Path(d).glob("*.json")) if Path(d).is_dir() else []:
-            if p.resolve() in seen:
-                continue
-            seen.add(p.resolve())
-            ref = load_result(p)
-            ref["_path"] = str(p)
-            out.append(ref)
+    out = []
+    for p in reference_paths("prefill-decode-*.json", tuple(roots or REFERENCE_ROOTS), base):
+        ref = load_result(p)
+        ref["_path"] = str(p)
+        out.append(ref)
     return out
 
 
