@@ -24,7 +24,7 @@ _LAZY = {
     "load_model": "minillm.model.loader",
     "ModelConfig": "minillm.model.config",
     "PRESETS": "minillm.model.config",
-    "Trace": "minillm.measure.trace",
+    "Trace": "minillm.core.trace",
 }
 
 __all__ = [*_LAZY, "__version__"]

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from minillm.engine.config import EngineConfig
+    pass
 
 
 def _add_model_args(p: argparse.ArgumentParser, default_model: str | None = "tiny") -> None:
@@ -23,72 +23,29 @@ def _add_model_args(p: argparse.ArgumentParser, default_model: str | None = "tin
 # (``--max-num-batched-tokens``, ``--no-enable-prefix-caching``): a new engine option gets its
 # flag with no CLI code. These fields have flags of their own, or mean something else here
 # (``generate --seed`` seeds the sampling, EngineConfig.seed a shape twin's weights).
-_NOT_ENGINE_FLAGS = ("model", "tokenizer", "device", "dtype", "seed")
-_ENGINE_HELP = {
-    "max_batch_size": "requests in one step, i.e. KV slots (vLLM's --max-num-seqs)",
-    "max_num_batched_tokens": "tokens one step may hold (default: 2048 chunked; prefill-first: at least the context)",
-    "max_model_len": "context per request (default: the model's, capped to fit the KV memory)",
-    "kv_memory_fraction": "share of free device memory the KV cache may take",
-    "scheduling_policy": "chunked (decodes and prefill chunks share each step) or prefill-first",
-    "enable_prefix_caching": "reuse a finished request's K/V for a later prompt with the same prefix",
-    "enforce_eager": "never capture CUDA graphs",
-    "compile": "torch.compile the decode step (Inductor; eager is the default and the reference)",
-    "sync_timing": "synchronise the device before stamping traces (timestamps = work done)",
-    "step_history": "StepRecords the engine keeps (GET /v1/steps)",
-}
-
-
 def _add_engine_args(p: argparse.ArgumentParser, defaults: dict | None = None) -> None:
-    """One flag per EngineConfig field. Values are checked by EngineConfig itself (one place),
-    so a flag takes any string of its type and a bad value is EngineConfig's one-line error."""
-    import typing
-    from dataclasses import MISSING, fields
+    """EngineConfig's flags (``EngineConfig.add_arguments``). minillm.engine imports torch, and a
+    broken torch must not stop ``doctor``: then the commands have no engine flags."""
     try:
-        from minillm.engine.config import POLICIES, EngineConfig
-    except (ImportError, OSError):   # minillm.engine imports torch: a broken torch must not stop `doctor`
+        from minillm.engine.config import EngineConfig
+    except (ImportError, OSError):
         return
-    hints = typing.get_type_hints(EngineConfig)
-    g = p.add_argument_group("engine options (EngineConfig)")
-    for f in fields(EngineConfig):
-        if f.name in _NOT_ENGINE_FLAGS:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        default = (defaults or {}).get(f.name, f.default if f.default is not MISSING else None)
-        help_ = _ENGINE_HELP.get(f.name, f.name) + (f" (default: {default})" if default is not None else "")
-        # None: not given, so EngineConfig's default applies (see engine_config_from_args)
-        if hints[f.name] is bool:
-            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
-            continue
-        kind = next(t for t in (typing.get_args(hints[f.name]) or (hints[f.name],)) if t is not type(None))
-        metavar = "{" + ",".join(POLICIES) + "}" if f.name == "scheduling_policy" else kind.__name__.upper()
-        g.add_argument(flag, type=kind, default=None, metavar=metavar, help=help_)
-
-
-def engine_config_from_args(a: argparse.Namespace, exclude: tuple[str, ...] = (), **defaults) -> EngineConfig:
-    """The EngineConfig a namespace asks for: the flags given (not None), else ``defaults``, else
-    EngineConfig's own. ``exclude``: names that mean something else in this command.
-    Raises ValueError (one line) for a bad value."""
-    from minillm.engine.config import EngineConfig
-    options = dict(defaults)
-    for name in EngineConfig.names():
-        v = getattr(a, name, None)
-        if v is not None and name not in exclude:
-            options[name] = v
-    return EngineConfig(**options)
+    EngineConfig.add_arguments(p, defaults)
 
 
 _GENERATE_ENGINE = {"max_batch_size": 1}      # one request: one KV slot is all it needs
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
+    from minillm.core.device import dtype_bytes
     from minillm.engine import LLM, RequestError
-    from minillm.measure.hardware import dtype_bytes
-    from minillm.measure.roofline import decode_step_bytes
+    from minillm.engine.config import EngineConfig
     from minillm.engine.sampling import SamplingParams
+    from minillm.perf.roofline import decode_step_bytes
     try:
         params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k,
                                 top_p=a.top_p, seed=a.seed, stop=a.stop or [], ignore_eos=a.ignore_eos)
-        config = engine_config_from_args(a, exclude=("seed",), **_GENERATE_ENGINE)
+        config = EngineConfig.from_args(a, exclude=("seed",), **_GENERATE_ENGINE)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -108,7 +65,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     cfg = llm.model.config
     ctx = len(out.prompt_token_ids) + len(out.token_ids) // 2
     step_bytes = decode_step_bytes(cfg, dtype_bytes(llm.dtype), 1, ctx)
-    from minillm.measure.hardware import dtype_name
+    from minillm.core.device import dtype_name
     lines = [f"model {a.model} ({dtype_name(llm.dtype)}) on {llm.device} | prompt {m.prompt_tokens} tokens, "
              f"output {m.output_tokens} tokens, finish: {out.finish_reason}",
              f"TTFT {m.ttft_s * 1e3:.1f} ms"]
@@ -128,13 +85,13 @@ def _write_json(path: str, data: dict) -> None:
 
 def cmd_bench(a: argparse.Namespace) -> int:
     if a.peers:
-        from minillm.measure.peers import run_peers
+        from minillm.bench.peers import run_peers
         engines = ("minillm",) + (() if a.no_transformers else ("transformers",)) + ("llama.cpp",)
         rep = run_peers(model=a.model, device=a.device, dtype=a.dtype, prompt_tokens=a.prompt_tokens,
                         new_tokens=a.new_tokens, rounds=a.rounds, engines=engines, compile=a.compile,
                         gguf_path=a.gguf, progress=True)
     else:
-        from minillm.measure.bench import run_decode_benchmark
+        from minillm.bench.decode import run_decode_benchmark
         rep = run_decode_benchmark(model=a.model, device=a.device, dtype=a.dtype, prompt_tokens=a.prompt_tokens,
                                    new_tokens=a.new_tokens, repeats=a.repeats,
                                    compare_transformers=not a.no_transformers, enforce_eager=a.enforce_eager,
@@ -147,9 +104,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
 def cmd_roofline(a: argparse.Namespace) -> int:
     import shlex
+
+    from minillm.bench.sweep import default_batches, load_result, parse_batches, run_sweep
     from minillm.plots.figures import figures_dir
     from minillm.plots.roofline import save_roofline_figure
-    from minillm.measure.sweep import default_batches, load_result, parse_batches, run_sweep
     try:
         batches = parse_batches(a.batches) if a.batches else default_batches(a.max_batch)
     except ValueError as e:
@@ -174,9 +132,10 @@ def cmd_roofline(a: argparse.Namespace) -> int:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
+    from minillm.engine.config import EngineConfig
     from minillm.serving.server import config_from_args, serve
     try:
-        cfg = config_from_args(a, engine_config_from_args(a))
+        cfg = config_from_args(a, EngineConfig.from_args(a))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -185,7 +144,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
 
 def cmd_bench_http(a: argparse.Namespace) -> int:
-    from minillm.measure.http_overhead import run_http_overhead
+    from minillm.loadgen.http_overhead import run_http_overhead
     rep = run_http_overhead(model=a.model, device=a.device, dtype=a.dtype, n_requests=a.requests,
                             prompt_tokens=a.prompt_tokens, max_tokens=a.max_tokens, warmup=a.warmup, mode=a.mode,
                             torch_threads=a.torch_threads)
@@ -196,7 +155,7 @@ def cmd_bench_http(a: argparse.Namespace) -> int:
 
 
 def cmd_bench_engine(a: argparse.Namespace) -> int:
-    from minillm.measure.bench_engine import run_engine_bench
+    from minillm.bench.engine import run_engine_bench
     parts = tuple(x.strip() for x in a.parts.split(",") if x.strip())
     unknown = set(parts) - {"stall", "prefix", "packed"}
     if unknown or not parts:
@@ -212,7 +171,7 @@ def cmd_bench_engine(a: argparse.Namespace) -> int:
 
 
 def cmd_bench_server(a: argparse.Namespace) -> int:
-    from minillm.measure.server_load import run_server_load
+    from minillm.loadgen.server_load import run_server_load
     reps = [run_server_load(model=a.model, connections=a.connections, duration_s=a.duration, rounds=a.rounds,
                             trace_store_bytes=b, port=a.port, torch_threads=a.torch_threads)
             for b in a.trace_store_bytes]
@@ -228,7 +187,8 @@ def cmd_bench_server(a: argparse.Namespace) -> int:
 def cmd_bench_serve(a: argparse.Namespace) -> int:
     import math
     import os
-    from minillm.measure.bench_serve import BenchConfig, parse_goodput, run_bench
+
+    from minillm.loadgen.bench_serve import BenchConfig, parse_goodput, run_bench
     cfg = BenchConfig(
         base_url=a.base_url, endpoint=a.endpoint, api_key=a.api_key or os.environ.get("OPENAI_API_KEY"), model=a.model, num_prompts=a.num_prompts,
         request_rate=a.request_rate, burstiness=a.burstiness, max_concurrency=a.max_concurrency, seed=a.seed,
@@ -251,7 +211,7 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
     if a.save_result:
         print(f"result: {res.save(a.result_dir or '.', a.result_filename)}")
     if a.report:
-        from minillm.measure.bench_report import BenchReport, MissingReportFields, fetch_server_info
+        from minillm.bench.report import BenchReport, MissingReportFields, fetch_server_info
         rep = BenchReport.from_bench(res, fetch_server_info(cfg), hardware=a.hardware, parallel=a.parallel,
                                      precision=a.precision)
         try:
@@ -283,7 +243,7 @@ def _bench_serve_sweep(cfg, a: argparse.Namespace) -> int:
     import time
     from pathlib import Path
 
-    from minillm.measure.bench_serve import run_bench, sweep_configs, sweep_row, sweep_table
+    from minillm.loadgen.bench_serve import run_bench, sweep_configs, sweep_row, sweep_table
     rates = _floats(a.sweep_rate, "--sweep-rate") if a.sweep_rate else None
     concs = [int(c) for c in _floats(a.sweep_concurrency, "--sweep-concurrency")] if a.sweep_concurrency else None
     configs = sweep_configs(cfg, rates, concs)
@@ -307,7 +267,7 @@ def _bench_serve_sweep(cfg, a: argparse.Namespace) -> int:
 
 
 def cmd_bench_client(a: argparse.Namespace) -> int:
-    from minillm.measure.client_overhead import measure_client_overhead
+    from minillm.loadgen.client_overhead import measure_client_overhead
     res = measure_client_overhead(a.num_prompts, a.max_concurrency, a.rounds, a.wrk_duration)
     print(res.table())
     if a.json:
@@ -316,7 +276,7 @@ def cmd_bench_client(a: argparse.Namespace) -> int:
 
 
 def cmd_bench_deceptions(a: argparse.Namespace) -> int:
-    from minillm.measure.deceptions import run_benchmark
+    from minillm.bench.deceptions import run_benchmark
     out = run_benchmark(a.model, a.num_prompts, a.input_len, a.output_len, a.concurrency, a.rate_fraction,
                         a.base_url, a.api_key)
     hw = out["server"].get("hardware") or "hardware not reported by the server"
@@ -533,7 +493,7 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--json", default=None)
     bd.set_defaults(fn=cmd_bench_deceptions)
 
-    from minillm.measure.diagnose import add_diagnose_parser
+    from minillm.metrics.diagnose import add_diagnose_parser
     add_diagnose_parser(sub)
 
     d = sub.add_parser("doctor", help="check dependencies, the torch build and the devices")

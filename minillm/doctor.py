@@ -76,7 +76,8 @@ def check_devices() -> list[Check]:
         import torch
     except Exception:
         return []
-    import minillm.measure.hardware as hw
+    import minillm.core.device as device
+    import minillm.hardware.machine as hw
     out = []
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
@@ -93,15 +94,15 @@ def check_devices() -> list[Check]:
                                                     f"(NVML unavailable: no spec bandwidth)"))
     else:
         out.append(Check("cuda", "--", "no CUDA GPU visible to torch"))
-    out.append(Check("mps", "OK", "Apple MPS available") if hw._mps_available()
+    out.append(Check("mps", "OK", "Apple MPS available") if device.mps_available()
                else Check("mps", "--", "no Apple MPS device"))
-    mem = hw._host_total_bytes()
-    out.append(Check("cpu", "OK", f"{hw.cpu_model()}, {hw.cpu_cores()} cores usable, "
+    mem = device.host_total_bytes()
+    out.append(Check("cpu", "OK", f"{hw.cpu_model()}, {device.cpu_cores()} cores usable, "
                                   f"{torch.get_num_threads()} torch threads"
                                   + (f", {mem / 2**30:.0f} GiB RAM" if mem else "")))
-    dev = hw.pick_device()
+    dev = device.pick_device()
     out.append(Check("default device", "OK", f"{dev} (picked cuda → mps → cpu), default dtype "
-                                             f"{hw.dtype_name(hw.default_dtype(dev))}"))
+                                             f"{device.dtype_name(device.default_dtype(dev))}"))
     return out
 
 
@@ -111,8 +112,9 @@ def check_bandwidth(measure: bool = True) -> list[Check]:
     if not measure:
         return []
     try:
-        import minillm.measure.hardware as hw
-        dev = hw.pick_device()
+        import minillm.core.device as device
+        import minillm.hardware.machine as hw
+        dev = device.pick_device()
         rd = hw.measure_read_bandwidth(dev, repeats=5, warmup=1)
         cp = hw.measure_copy_bandwidth(dev, repeats=5, warmup=1)
     except Exception as e:           # a measurement must not make doctor fail
@@ -125,7 +127,7 @@ def check_bandwidth(measure: bool = True) -> list[Check]:
 def check_cpu_bf16() -> list[Check]:
     """Does this CPU compute in bf16 natively? Without AVX512-BF16 / AMX-BF16 (x86) or BF16 (Arm)
     a bf16 matmul converts to fp32 in software: half the bytes, not half the time."""
-    import minillm.measure.hardware as hw
+    import minillm.hardware.machine as hw
     have = hw.cpu_bf16_instructions()
     if have is None:
         return [Check("cpu bf16", "--", "could not read the CPU's instruction flags")]

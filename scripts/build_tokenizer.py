@@ -1,4 +1,4 @@
-"""Rebuild the default tokenizer shipped in minillm/assets/tokenizer/ (issue: engine core, item 3).
+"""Rebuild the default tokenizer shipped in minillm/assets/tokenizer/.
 
 A byte-level BPE with exactly 8192 tokens, trained with the `tokenizers` library on text we may
 redistribute: the Python standard library's own source on this machine (PSF licence) and a short

@@ -1,4 +1,4 @@
-"""Where eager batch-1 decode loses time to the bare matmuls, on this machine (issue 14, 10.5).
+"""Where eager batch-1 decode loses time to the bare matmuls, on this machine (10.5).
 
 Three timings of one decode step of a model (default ``cpu-small``), interleaved round by round:
 

@@ -1,7 +1,7 @@
 """The decode benchmark compares like with like: transformers runs *our* weights."""
 import torch
 
-from minillm.measure.bench import run_decode_benchmark, to_transformers
+from minillm.bench.decode import run_decode_benchmark, to_transformers
 from minillm.model.loader import load_model
 
 
@@ -31,7 +31,7 @@ def test_engine_bench_report_is_well_formed_and_the_stall_is_real():
     """The stall rows come from engine traces: under prefill-first one decoder gap holds the whole
     long prefill, so the max ITL is far above the median; chunking splits it. Counts, not times,
     are what must hold: every row present, positive, and the prefix hit reported."""
-    from minillm.measure.bench_engine import run_engine_bench
+    from minillm.bench.engine import run_engine_bench
     rep = run_engine_bench("tiny", device="cpu", dtype="fp32", n_short=3, long_prompt=256, chunk=32,
                            prefix_prompt=96, repeats=1, packed_lengths=[16, 40, 100])
     assert [r.policy for r in rep.stall] == ["prefill-first", "chunked"]
@@ -49,7 +49,7 @@ def test_cli_bench_engine_refuses_unknown_parts(capsys):
 
 
 def test_eager_gap_script_runs_and_accounts_for_the_forward():
-    """scripts/eager_gap.py (issue 14's measurement of eager's time beyond its matmuls) on tiny."""
+    """scripts/eager_gap.py (the measurement of eager's time beyond its matmuls) on tiny."""
     import re
     import subprocess
     import sys

@@ -5,8 +5,8 @@ import json
 import httpx
 import pytest
 
-from minillm.measure.bench_report import REQUIRED, BenchReport, MissingReportFields, fetch_server_info
-from minillm.measure.bench_serve import BenchConfig, run_bench
+from minillm.bench.report import REQUIRED, BenchReport, MissingReportFields, fetch_server_info
+from minillm.loadgen.bench_serve import BenchConfig, run_bench
 from minillm.serving.server import ServerConfig, ServerThread
 
 KEY = "sk-report-0123456789"
@@ -64,7 +64,7 @@ def test_from_a_minillm_run_only_what_the_server_cannot_say_is_missing(capsys, t
         stated = BenchReport.from_bench(res, {}, hardware="H200 SXM", parallel="tp=1", precision="bf16",
                                         prefix_caching=True)
         assert not {"precision", "hardware", "parallel", "prefix_caching"} & set(stated.missing())
-        from minillm.cli import main                  # the CLI prints it, all fields known
+        from minillm.cli import main  # the CLI prints it, all fields known
         capsys.readouterr()
         rc = main(["bench-serve", "--base-url", srv.url, "--api-key", KEY, "--num-prompts", "4",
                    "--random-input-len", "8", "--random-output-len", "4", "--ignore-eos", "--report",

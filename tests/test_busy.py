@@ -1,8 +1,8 @@
-"""The busy-machine check (minillm.measure.busy, design.md §9): the load before measuring, noisy
+"""The busy-machine check (minillm.hardware.quiet, design.md §9): the load before measuring, noisy
 rows after, and the cores − 1 torch threads a CPU measurement uses. Constructed numbers only."""
 import pytest
 
-from minillm.measure import busy
+from minillm.hardware import quiet as busy
 
 
 def test_load_check_fires_above_the_threshold_and_not_below():
@@ -40,7 +40,7 @@ def test_the_warning_fires_on_a_constructed_noisy_result(capsys):
     result = {"batches": [{"batch": 1, "status": "ok", "forward_ms": [17.0, 17.1, 16.9, 17.2]},
                           {"batch": 2, "status": "ok", "forward_ms": [18.0, 72.0, 19.0, 70.0, 18.5]},
                           {"batch": 4, "status": "oom"}]}
-    from minillm.measure.sweep import noisy_batches
+    from minillm.bench.sweep import noisy_batches
     assert list(noisy_batches(result)) == [2]
     samples = {f"batch {b['batch']}": b["forward_ms"] for b in result["batches"] if b["status"] == "ok"}
     msgs = busy.warnings_for(busy.machine_busy(load1=3.0, cores=2), samples)
@@ -53,8 +53,7 @@ def test_the_warning_fires_on_a_constructed_noisy_result(capsys):
 
 
 def test_measurement_threads_are_the_servers_cores_minus_one():
-    from minillm.measure.hardware import cpu_cores
-    from minillm.serving.config import default_server_threads
+    from minillm.core.device import cpu_cores, default_server_threads
     n = busy.measurement_threads("cpu", apply=False)
     assert n == default_server_threads("cpu") == max(1, cpu_cores() - 1)
 
@@ -70,7 +69,8 @@ def test_measurement_threads_apply_sets_torch(monkeypatch):
 
 
 def test_the_older_helpers_share_the_definition():
-    from minillm.measure import outside_steps, prefill_decode, sweep
+    from minillm.bench import sweep
+    from minillm.experiments import outside_steps, prefill_decode
     assert outside_steps.NOISY_SPREAD == sweep.NOISY_SPREAD == prefill_decode.NOISY_SPREAD == busy.NOISY_SPREAD
     w = outside_steps.noisy_warning({"steady": [1.0] * 5, "jumpy": [1.0, 1.0, 5.0, 1.0, 9.0]})
     assert w.startswith("WARNING") and "jumpy" in w and "steady" not in w

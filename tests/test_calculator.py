@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from minillm.measure.calculator import bounds, gpu_names
+from minillm.perf.calculator import bounds, gpu_names
 
 
 def test_chapter_example_on_a_2tb_card():

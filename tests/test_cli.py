@@ -31,7 +31,7 @@ def test_bad_input_is_one_clear_error(argv, needle, capsys):
 
 
 def test_engine_flags_parse_into_engine_config():
-    from minillm.cli import build_parser, engine_config_from_args
+    from minillm.cli import build_parser
     from minillm.engine.config import EngineConfig
     from minillm.serving.server import config_from_args
     a = build_parser().parse_args([
@@ -41,17 +41,17 @@ def test_engine_flags_parse_into_engine_config():
     want = EngineConfig(model="tiny", device="cpu", scheduling_policy="prefill-first", max_num_batched_tokens=512,
                         enable_prefix_caching=False, enforce_eager=True, max_batch_size=8, max_model_len=128,
                         kv_memory_fraction=0.25)
-    assert engine_config_from_args(a) == want
-    cfg = config_from_args(a, engine_config_from_args(a))
+    assert EngineConfig.from_args(a) == want
+    cfg = config_from_args(a, EngineConfig.from_args(a))
     assert cfg.engine == want and cfg.port == 0
     # flags not given: EngineConfig's defaults, not the parser's
     d = build_parser().parse_args(["serve"])
     assert config_from_args(d).engine == EngineConfig()
     # generate: one KV slot unless told otherwise; its --seed seeds the sampling, not the weights
     g = build_parser().parse_args(["generate", "hi", "--seed", "5", "--enable-prefix-caching"])
-    assert engine_config_from_args(g, exclude=("seed",), max_batch_size=1) == EngineConfig(max_batch_size=1)
+    assert EngineConfig.from_args(g, exclude=("seed",), max_batch_size=1) == EngineConfig(max_batch_size=1)
     g = build_parser().parse_args(["generate", "hi", "--max-batch-size", "4", "--scheduling-policy", "chunked"])
-    assert engine_config_from_args(g, exclude=("seed",), max_batch_size=1).max_batch_size == 4
+    assert EngineConfig.from_args(g, exclude=("seed",), max_batch_size=1).max_batch_size == 4
 
 
 def test_every_engine_option_has_a_flag():

@@ -1,12 +1,12 @@
-"""`bench-client` (minillm/measure/client_overhead.py): the stub server is a valid OpenAI-compatible
+"""`bench-client` (minillm/loadgen/client_overhead.py): the stub server is a valid OpenAI-compatible
 stream (every request ok, usage counted), and the command runs end to end. No speed is asserted:
 the figure is a benchmark's, printed beside wrk's bound, not a test's."""
 from __future__ import annotations
 
 import httpx
 
-from minillm.measure.bench_serve import BenchConfig, run_bench
-from minillm.measure.client_overhead import ClientOverhead, StubServer, measure_client_overhead, stub_app
+from minillm.loadgen.bench_serve import BenchConfig, run_bench
+from minillm.loadgen.client_overhead import ClientOverhead, StubServer, measure_client_overhead, stub_app
 
 
 def test_stub_stream_is_what_bench_serve_expects():

@@ -83,6 +83,7 @@ def test_one_compiled_graph_per_row_bucket_whatever_the_kv_length():
     """Decoding past 16 and 32 cached tokens moves through three K/V-length buckets; on a CPU the
     K/V length is a dynamic size, so the row bucket compiles once and the tokens stay eager's."""
     from torch._dynamo.utils import counters
+
     from minillm.engine.engine import LLMEngine
     from minillm.engine.sampling import SamplingParams
     from minillm.engine.tokenizer import load_tokenizer

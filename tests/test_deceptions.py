@@ -1,4 +1,4 @@
-"""The four self-deceptions of 10.6 (minillm/measure/deceptions.py) against a real tiny server:
+"""The four self-deceptions of 10.6 (minillm/bench/deceptions.py) against a real tiny server:
 each returns both variants with the fields notebook 06 plots, and the figures draw from them.
 Correctness only: which run is which, what was sent, what the server reported; never timings."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from minillm.measure import deceptions as dec
-from minillm.measure.bench_serve import BenchConfig
+from minillm.bench import deceptions as dec
+from minillm.loadgen.bench_serve import BenchConfig
 from minillm.serving.server import ServerConfig, ServerThread
 
 KEY = "sk-deceptions-0123456789"
@@ -55,7 +55,7 @@ def test_fixed_vs_lognormal_same_mean_longer_tail(server):
     assert pair.honest.config.random_input_len == round(32 * math.exp(-0.5))
     fixed_in = {r.usage["prompt_tokens"] for r in pair.deceptive.records if r.usage}
     assert max(fixed_in) - min(fixed_in) <= 2       # one length in tokens (± a merge at the cut)
-    mean_in, longest = pair.extra["realised_mean_in"], pair.extra["longest_prompt"]
+    longest = pair.extra["longest_prompt"]
     assert longest[1] > longest[0]                                     # the tail the fixed run left out
     assert set(pair.numbers) == {"ttft_p50_ms", "ttft_p99_ms", "e2e_p99_ms"}
     with pytest.raises(ValueError, match="sigma"):

@@ -1,4 +1,4 @@
-"""minillm.measure.diagnose: the verdict names the right cause for each kind of slowness.
+"""minillm.metrics.diagnose: the verdict names the right cause for each kind of slowness.
 
 Constructed traces (hand-made timestamps, so every case is exact): a burst that queues, a long
 prefill, decoders stalled by another request's prefill (found through the traces' prefill events,
@@ -16,11 +16,19 @@ import json
 
 import pytest
 
-from minillm.engine.step_record import PHASES, StepRecord
-from minillm.measure import diagnose as dg
-from minillm.measure.diagnose import (HEALTHY, NO_DATA, OUTSIDE, PREFILL_CAUSE, START_LATE, STUTTERS, Diagnosis,
-                                      diagnose)
-from minillm.measure.trace import Trace
+from minillm.core.step_record import PHASES, StepRecord
+from minillm.core.trace import Trace
+from minillm.metrics import diagnose as dg
+from minillm.metrics.diagnose import (
+    HEALTHY,
+    NO_DATA,
+    OUTSIDE,
+    PREFILL_CAUSE,
+    START_LATE,
+    STUTTERS,
+    Diagnosis,
+    diagnose,
+)
 
 MS = 1_000_000
 
@@ -192,10 +200,10 @@ def test_the_outside_line_is_the_chapters_and_importing_needs_no_torch():
     import subprocess
     import sys
 
-    from minillm.measure.outside_steps import CHAPTER_OUTSIDE_SHARE
+    from minillm.experiments.outside_steps import CHAPTER_OUTSIDE_SHARE
     assert dg.Thresholds().outside_share == CHAPTER_OUTSIDE_SHARE
     # the CLI builds this parser for every command, `doctor` included: no torch at import time
-    code = "import sys, minillm.measure.diagnose; print('torch' in sys.modules)"
+    code = "import sys, minillm.metrics.diagnose; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
 
 
@@ -384,7 +392,7 @@ def test_a_live_server_over_http(tmp_path, capsys):
     """8 streams at once into a server with 2 KV slots: 6 must wait for a slot. The diagnosis,
     from the traces fetched over HTTP page by page (and the step records), says they start late
     in the queue."""
-    from minillm.measure.http_overhead import run_concurrent
+    from minillm.loadgen.http_overhead import run_concurrent
     from minillm.serving.server import ServerConfig, ServerThread
 
     key = "sk-test-diagnose-0123456789"

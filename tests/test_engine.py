@@ -2,11 +2,10 @@
 errors, aborts, and the trace every request carries."""
 import pytest
 import torch
+from hf_reference import make_hf_model
 
 from minillm import LLM, SamplingParams
 from minillm.engine.engine import RequestError
-
-from hf_reference import make_hf_model
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +41,8 @@ def test_decode_batches_are_mixed_lengths(hf_and_llm):
     _, llm = hf_and_llm
     eng = llm.engine
     eng.add_request([5] * 4, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), request_id="a")
-    eng.step(); eng.step()                       # prefill a, decode a
+    eng.step()                                   # prefill a
+    eng.step()                                   # decode a
     eng.add_request([7] * 9, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), request_id="b")
     eng.step()                                   # chunked: a decodes while b is prefilled, one forward
     rec = eng.step_history[-1]

@@ -1,4 +1,4 @@
-"""Fuzzing the server (issue 8): schemathesis against the app's own OpenAPI schema, then
+"""Fuzzing the server: schemathesis against the app's own OpenAPI schema, then
 hand-made bad inputs, over real HTTP (tiny model, CPU fp32, short generations).
 
 * **schema-driven** (schemathesis 4): every operation in ``/openapi.json``, schema-valid

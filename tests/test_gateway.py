@@ -7,13 +7,21 @@ import threading
 
 import pytest
 
+from minillm.core.trace import Trace
 from minillm.serving import gateway as gw
 from minillm.serving.gateway import (
-    AdmissionControl, APIKeyAuth, Gateway, GatewayError, RateLimiter, TokenBucket,
-    check_context, check_model, default_max_tokens, keys_from_env_and_args,
+    AdmissionControl,
+    APIKeyAuth,
+    Gateway,
+    GatewayError,
+    RateLimiter,
+    TokenBucket,
+    check_context,
+    check_model,
+    default_max_tokens,
+    keys_from_env_and_args,
     parse_completion_body,
 )
-from minillm.measure.trace import Trace
 
 KEY = "sk-test-Very-Secret-0123456789"
 OTHER = "sk-other-Also-Secret-9876543210"
@@ -498,7 +506,7 @@ def test_key_never_in_errors_or_traces():
     assert KEY not in joined
 
 
-# ---- issue 8: what the hardening added ---------------------------------------------------
+# ---- the defences: keys, limits, admission ---------------------------------------------------
 
 def test_a_caller_over_its_rate_is_refused_before_anything_is_tokenized():
     calls = []

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from minillm.engine.gc_pauses import GC_CLOCK, GcClock
-from minillm.measure.server_load import _stop, _wait_up
+from minillm.loadgen.server_load import _stop, _wait_up
 
 
 def test_the_clock_counts_a_collection():
@@ -117,10 +117,10 @@ def test_a_server_thread_leaves_the_heap_alone():
         srv.stop()
 
 
-# ---- notebook 05's measurements (minillm.measure.outside_gc) -------------------------------------
+# ---- notebook 05's measurements (minillm.experiments.outside_gc) -------------------------------------
 
 def test_the_heap_measurement_adds_tracked_objects():
-    from minillm.measure.outside_gc import collection_cost_by_heap
+    from minillm.experiments.outside_gc import collection_cost_by_heap
     a, b = collection_cost_by_heap((0, 50_000), repeats=2)
     assert 49_000 <= b.objects - a.objects <= 51_000            # small lists are tracked (atomic dicts are not)
     assert len(a.samples_ms) == len(b.samples_ms) == 2 and a.full_ms > 0
@@ -129,7 +129,7 @@ def test_the_heap_measurement_adds_tracked_objects():
 @pytest.mark.parametrize("freeze", [False, True])
 def test_a_decode_beside_collections_reads_them_from_the_steps(freeze):
     from minillm.engine.llm import LLM
-    from minillm.measure.outside_gc import gc_in_decode
+    from minillm.experiments.outside_gc import gc_in_decode
     llm = LLM("tiny", device="cpu", max_batch_size=4)
     d = gc_in_decode(llm, every_s=0.01, freeze=freeze, batch=2, new_tokens=16)
     assert gc.get_freeze_count() == 0                          # the caller's heap is left as it was
@@ -140,7 +140,7 @@ def test_a_decode_beside_collections_reads_them_from_the_steps(freeze):
 
 
 def test_freeze_effect_runs_in_a_process_of_its_own():
-    from minillm.measure.outside_gc import freeze_effect
+    from minillm.experiments.outside_gc import freeze_effect
     fe = freeze_effect("tiny", repeats=2)
     assert gc.get_freeze_count() == 0
     assert fe.objects > 100_000 and abs(fe.frozen - fe.objects) <= 0.01 * fe.objects

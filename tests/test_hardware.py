@@ -2,30 +2,31 @@
 import pytest
 import torch
 
-from minillm.measure import hardware as hw
+from minillm.core import device
 from minillm.doctor import run_checks
+from minillm.hardware import machine as hw
 
 
 def test_pick_device_defaults_and_errors():
-    assert hw.pick_device(None).type in ("cuda", "mps", "cpu")
-    assert hw.pick_device("cpu") == torch.device("cpu")
+    assert device.pick_device(None).type in ("cuda", "mps", "cpu")
+    assert device.pick_device("cpu") == torch.device("cpu")
     with pytest.raises(ValueError, match="unknown device"):
-        hw.pick_device("tpu-ish")
+        device.pick_device("tpu-ish")
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="no CUDA GPU"):
-            hw.pick_device("cuda")
+            device.pick_device("cuda")
 
 
 @pytest.mark.parametrize("name,dt,nbytes", [("bf16", torch.bfloat16, 2), ("float16", torch.float16, 2),
                                             ("fp32", torch.float32, 4), (torch.bfloat16, torch.bfloat16, 2)])
 def test_dtypes(name, dt, nbytes):
-    assert hw.parse_dtype(name) is dt and hw.dtype_bytes(name) == nbytes
-    assert hw.parse_dtype(hw.dtype_name(name)) is dt
+    assert device.parse_dtype(name) is dt and device.dtype_bytes(name) == nbytes
+    assert device.parse_dtype(device.dtype_name(name)) is dt
 
 
 def test_bad_dtype():
     with pytest.raises(ValueError, match="bf16, fp16 or fp32"):
-        hw.parse_dtype("int3")
+        device.parse_dtype("int3")
 
 
 @pytest.mark.parametrize("name,expected", [
@@ -89,7 +90,7 @@ def test_default_read_buffer_is_well_past_the_last_level_cache(monkeypatch):
     assert llc is None or llc > 0
     # free memory held still (it moves between two reads): once plenty, once the binding term
     for free in (64 * 2**30, 2 * 2**30):
-        monkeypatch.setattr(hw, "_host_available_bytes", lambda free=free: free)
+        monkeypatch.setattr(hw, "host_available_bytes", lambda free=free: free)
         n = hw.default_read_bytes(torch.device("cpu"))
         assert n == min(max(512 * 2**20, 2 * (llc or 0)), free // 8)
     assert n == 2 * 2**30 // 8                      # 256 MiB: under the 512 MiB floor, memory wins

@@ -1,4 +1,4 @@
-"""Logprobs and min_tokens (issue 8, engine part), against transformers.
+"""Logprobs and min_tokens, against transformers.
 
 Logprobs are vLLM's default "raw" ones: log_softmax of the model's logits in fp32, before
 temperature, top-k/top-p and the min_tokens mask. Every value is checked token by token

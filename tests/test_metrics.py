@@ -6,10 +6,22 @@ import math
 import numpy as np
 import pytest
 
-from minillm.measure.metrics import (SLO, STAGES, ClientRecord, SteadyWindow, breakdown_at_percentile,
-                             client_request_metrics, distribution, explain_ttft, metrics_from_traces,
-                             request_metrics, summarize, to_rows, ttft_breakdown)
-from minillm.measure.trace import Trace
+from minillm.core.trace import Trace
+from minillm.metrics.definitions import (
+    SLO,
+    STAGES,
+    ClientRecord,
+    SteadyWindow,
+    breakdown_at_percentile,
+    client_request_metrics,
+    distribution,
+    explain_ttft,
+    metrics_from_traces,
+    request_metrics,
+    summarize,
+    to_rows,
+    ttft_breakdown,
+)
 
 MS = 1_000_000
 

@@ -1,13 +1,12 @@
 """The model against transformers (the independent reference), and the KV cache against recompute."""
 import pytest
 import torch
+from hf_reference import LLAMA3_ROPE, make_hf_model
 
 from minillm import load_model
-from minillm.model.config import ModelConfig, PRESETS
-from minillm.engine.kv_cache import KVCache
 from minillm.engine.attention import AttentionBackend, build_metadata
-
-from hf_reference import LLAMA3_ROPE, make_hf_model
+from minillm.engine.kv_cache import KVCache
+from minillm.model.config import PRESETS, ModelConfig
 
 CASES = [
     ("llama", dict()),
@@ -158,6 +157,7 @@ def test_rope_table_matches_the_formula_at_every_position(rope_scaling):
     """The table is computed once at load; every row must be the formula's cos/sin of that
     position (exactly the per-step fp32 computation, and within fp32 rounding of float64)."""
     import math
+
     from minillm.model.transformer import rope_cos_sin, rope_inv_freq
     cfg = ModelConfig(name="rope", vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=1,
                       num_heads=4, num_kv_heads=2, max_position_embeddings=1500, rope_theta=500000.0,

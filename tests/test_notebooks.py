@@ -97,8 +97,8 @@ def test_ends_with_summary_questions_exercises_and_worked_solutions(path):
     assert 3 <= n <= 5, f"{path.name}: 'Check your understanding' asks {n} questions (3–5)"
 
 
-# The chapter's own Chinese headings, where a source available to the project quotes them (issue 12
-# for 10.3, issue 11 for 10.6). The other notebooks carry a descriptive Chinese heading, not pinned
+# The chapter's own Chinese headings, where a source available to the project quotes them (10.3
+# and 10.6). The other notebooks carry a descriptive Chinese heading, not pinned
 # here: the chapter's wording for them was never quoted to us.
 CHAPTER_HEADINGS = {"03_": "10.3 回到第一册的三个公式", "06_": "10.6 怎么压测才不骗自己"}
 

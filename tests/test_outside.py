@@ -12,16 +12,16 @@ from collections import Counter
 import pytest
 import torch
 
+from minillm.core.step_record import PHASES
 from minillm.engine.sampling import Sampler, SamplingParams
-from minillm.engine.step_record import PHASES
-from minillm.measure.outside_sampling import (
+from minillm.experiments.outside_sampling import (
     METHODS,
     per_row_filter,
     per_row_generators,
     per_row_sample,
     run_sampling_bench,
 )
-from minillm.measure.outside_steps import (
+from minillm.experiments.outside_steps import (
     OUTSIDE_PHASES,
     PhaseCase,
     decode_engine,
@@ -82,7 +82,7 @@ def test_noisy_warning_names_the_noisy_series():
 
 # --------------------------------------------------------------------------------- profile_steps
 def test_profile_steps_reports_busy_share_launches_and_ops(tiny):
-    from minillm.measure.outside_profile import profile_decode, profile_steps
+    from minillm.experiments.outside_profile import profile_decode, profile_steps
     m, _ = tiny
     p = profile_decode("tiny", batch=1, context=32, n_steps=4, warmup=1, device="cpu", loaded=m)
     assert 0.0 <= p.device_busy <= 1.0
@@ -102,7 +102,7 @@ def test_profile_steps_reports_busy_share_launches_and_ops(tiny):
 
 
 def test_union_of_device_intervals():
-    from minillm.measure.outside_profile import _union_us
+    from minillm.experiments.outside_profile import _union_us
     assert _union_us([(0, 10), (5, 15), (20, 25), (21, 22)]) == 20
     assert _union_us([]) == 0
 
@@ -181,7 +181,8 @@ def test_batched_and_per_row_draw_from_the_same_distribution(method):
     expected = _filtered_probs(row, p)
     emp_b = torch.tensor([Counter(b)[i] for i in range(V)], dtype=torch.double) / N
     emp_r = torch.tensor([Counter(r)[i] for i in range(V)], dtype=torch.double) / N
-    tv = lambda x, y: 0.5 * float((x - y).abs().sum())
+    def tv(x, y):
+        return 0.5 * float((x - y).abs().sum())
     support = expected > 0
     assert (emp_b[~support] == 0).all() and (emp_r[~support] == 0).all(), "a filtered-out token was drawn"
     # N = 6000 draws land ≈ 0.01–0.02 from the truth here; temperature 1.0 instead of 0.8 would be ≈ 0.075 away
@@ -195,7 +196,7 @@ def test_batched_and_per_row_draw_from_the_same_distribution(method):
 # --------------------------------------------------------------------------------- tokenizer
 def test_tokenizer_bench_rows_for_each_text_and_a_passed_directory(tmp_path):
     from minillm.engine.tokenizer import load_tokenizer
-    from minillm.measure.outside_tokenizer import run_tokenizer_bench, sample_texts
+    from minillm.experiments.outside_tokenizer import run_tokenizer_bench, sample_texts
     texts = sample_texts()
     assert set(texts) == {"English", "Chinese", "code"} and all(len(t) > 500 for t in texts.values())
     d = tmp_path / "my-tokenizer"
@@ -213,7 +214,7 @@ def test_tokenizer_bench_rows_for_each_text_and_a_passed_directory(tmp_path):
 
 # --------------------------------------------------------------------------------- HTTP
 def test_http_costs_are_shares_of_ttft_and_itl():
-    from minillm.measure.outside_http import http_costs, sse_chunk_us
+    from minillm.experiments.outside_http import http_costs, sse_chunk_us
     report = {"model": "tiny", "hardware": "cpu", "mode": "subprocess", "n_requests": 10, "max_tokens": 8,
               "ttft": {"inproc_p50_ms": 4.0, "http_p50_ms": 6.0, "inproc_p99_ms": 5.0, "http_p99_ms": 9.0},
               "itl": {"inproc_p50_ms": 1.0, "http_p50_ms": 1.25, "inproc_p99_ms": 2.0, "http_p99_ms": 3.0}}
@@ -229,7 +230,7 @@ def test_http_costs_are_shares_of_ttft_and_itl():
 
 
 def test_sse_chunk_is_what_the_server_sends():
-    from minillm.measure.outside_http import chunk_body
+    from minillm.experiments.outside_http import chunk_body
     from minillm.serving.responses import sse_line
     line = sse_line(chunk_body("cmpl-1", "hi"))
     assert line.startswith("data: ") and line.endswith("\n\n")
@@ -239,14 +240,14 @@ def test_sse_chunk_is_what_the_server_sends():
 # --------------------------------------------------------------------------------- CUDA graphs, reference files
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
 def test_graphs_comparison_refuses_a_cpu():
-    from minillm.measure.outside_graphs import run_graphs_comparison
+    from minillm.experiments.outside_graphs import run_graphs_comparison
     with pytest.raises(RuntimeError, match="CUDA"):
         run_graphs_comparison(["tiny"], [1], device="cpu")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_graphs_comparison_on_cuda():
-    from minillm.measure.outside_graphs import run_graphs_comparison
+    from minillm.experiments.outside_graphs import run_graphs_comparison
     r = run_graphs_comparison(["tiny"], [1, 2], context=64, steps=5, warmup=2, profile_n=3, progress=False)
     assert {(x.batch, x.mode) for x in r.rows} == {(1, "eager"), (1, "graphs"), (2, "eager"), (2, "graphs")}
     for x in r.rows:
@@ -255,8 +256,8 @@ def test_graphs_comparison_on_cuda():
 
 
 def test_reference_files_round_trip(tmp_path):
-    from minillm.measure.outside_graphs import GraphsResult, GraphsRow
-    from minillm.measure.outside_reference import load_references, main, write_reference
+    from minillm.experiments.outside_graphs import GraphsResult, GraphsRow
+    from minillm.experiments.outside_reference import load_references, main, write_reference
     g = GraphsResult("cuda:0", "H200", "bf16", 4.0e12, "measured read", 512, 30, 5,
                      rows=[GraphsRow("tiny", 1, "eager", 512, step_ms=[1.0], step_ms_median=1.0, tok_s=1000.0,
                                      bound_tok_s=2e5, pct_of_bound=0.005, device_busy=0.1, launches_per_step=300)])

@@ -1,7 +1,8 @@
 """pyproject.toml is the source of truth; environment.yml mirrors it (design.md §7)."""
 import re
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 CONDA_NAMES = {"torch": "pytorch", "uvicorn[standard]": "uvicorn-standard"}   # PyPI → conda-forge, where they differ

@@ -5,7 +5,7 @@ import sys
 import pytest
 import torch
 
-from minillm.measure import peers
+from minillm.bench import peers
 
 
 def test_without_llama_cpp_the_peer_is_unavailable_not_an_error(monkeypatch):
@@ -62,6 +62,7 @@ def test_permutation_for_gguf_pairs_the_rotated_halves():
 def test_gguf_holds_the_same_weights(tmp_path, dtype):
     gguf = pytest.importorskip("gguf", reason="the gguf package is an optional extra (bench --peers)")
     import numpy as np
+
     from minillm.model.loader import load_model
     m = load_model("tiny", device="cpu", dtype=dtype, seed=3)
     kind = peers.write_gguf(m, tmp_path / "tiny.gguf")
@@ -91,7 +92,8 @@ def test_transformers_reads_our_gguf_back_as_the_same_weights(tmp_path, kind):
     maps the names back; every tensor must come back exactly."""
     pytest.importorskip("gguf", reason="the gguf package is an optional extra (bench --peers)")
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-    from minillm.measure.bench import to_transformers
+
+    from minillm.bench.decode import to_transformers
     from minillm.model.config import PRESETS, with_overrides
     from minillm.model.loader import load_model
     cfg = with_overrides(PRESETS["tiny"], tie_word_embeddings=False, model_type=kind, attention_bias=kind == "qwen2")
@@ -113,6 +115,7 @@ def test_every_peer_continues_a_checkpoint_with_the_same_greedy_tokens(tmp_path)
     pytest.importorskip("gguf", reason="the gguf package is an optional extra (bench --peers)")
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is an optional extra (bench --peers)")
     from hf_reference import make_hf_model
+
     from minillm.engine.tokenizer import load_tokenizer
     model = make_hf_model("llama", tmp_path, vocab=512, seed=3, eos=None)
     with torch.no_grad():

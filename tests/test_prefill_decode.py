@@ -12,10 +12,10 @@ import pytest
 
 matplotlib.use("Agg")
 
-import minillm.measure.roofline as rf
+import minillm.perf.roofline as rf
 from minillm import LLM
-from minillm.measure import prefill_decode as pd
-from minillm.measure.workload import token_gaps
+from minillm.experiments import prefill_decode as pd
+from minillm.loadgen.workload import token_gaps
 from minillm.model.config import PRESETS, ModelConfig
 from minillm.plots import prefill_decode as pp
 
@@ -169,7 +169,7 @@ def test_rows_are_well_formed_with_consistent_units(result, llm):
 
 
 def test_result_round_trips_through_json(result, tmp_path):
-    from minillm.measure.sweep import load_result
+    from minillm.bench.sweep import load_result
     p = result.write(tmp_path / "pd.json")
     back = pd.PrefillDecodeResult.from_dict(load_result(p))
     assert back.to_dict() == json.loads(p.read_text())
@@ -242,7 +242,7 @@ def test_chunked_small_budget_no_gap_holds_the_whole_prefill(llm, chunked):
 
 def test_the_step_view_matches_the_trace_view(llm, first):
     # the tokens' steps come from exact stamps; gaps by timestamps (workload.token_gaps) must agree
-    from minillm.measure.trace import Trace
+    from minillm.core.trace import Trace
     traces = []
     for rid, times in first.tokens_ms.items():
         tr = Trace(rid)
@@ -304,7 +304,7 @@ def test_command_line_writes_a_reference_the_figure_can_draw(tmp_path):
     ref = refs[0]
     assert ref["kind"] == "minillm prefill-decode reference" and ref["roofline"]["model"] == "tiny"
     assert [r["tokens"] for r in ref["roofline"]["prefill"]] == [16, 32]
-    assert ref["roofline"]["command"].startswith("python -m minillm.measure.prefill_decode --model tiny")
+    assert ref["roofline"]["command"].startswith("python -m minillm.experiments.prefill_decode --model tiny")
     tr = ref["tradeoff"]
     assert tr["prefill_first"]["policy"] == "prefill-first" and [r["budget"] for r in tr["chunked"]] == [32, 64]
     assert len(tr["prefill_first"]["stalled"]) == 2              # one stalled gap per decoder

@@ -7,13 +7,9 @@ import pytest
 from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
+from minillm.core.trace import Trace
 from minillm.engine.prefix_cache import SlotAllocator
-from minillm.measure.metrics import (
-    ClientRecord,
-    client_request_metrics,
-    request_metrics,
-)
-from minillm.measure.trace import Trace
+from minillm.metrics.definitions import ClientRecord, client_request_metrics, request_metrics
 from minillm.serving.prom import (
     DASHBOARD_NAMES,
     LEGACY_DASHBOARD_NAMES,
@@ -209,7 +205,8 @@ def test_label_sets_are_vllms():
 
 def test_buckets_are_vllms():
     samples, _, _ = scrape(ServingMetrics(MODEL, max_model_len=2048))
-    finite = lambda name: sorted(le for le in buckets(samples, name) if math.isfinite(le))
+    def finite(name):
+        return sorted(le for le in buckets(samples, name) if math.isfinite(le))
     assert finite("vllm:time_to_first_token_seconds") == VLLM_TTFT_BUCKETS
     assert finite("vllm:inter_token_latency_seconds") == VLLM_ITL_BUCKETS
     assert finite("vllm:request_time_per_output_token_seconds") == VLLM_ITL_BUCKETS
@@ -279,7 +276,7 @@ def test_e2e_queue_prefill_decode_histograms(observed):
 
 
 def test_phase_times_reuse_the_ttft_breakdown():
-    """queue and prefill are the breakdown's stages (minillm.measure.metrics.STAGES), not new clocks."""
+    """queue and prefill are the breakdown's stages (minillm.metrics.definitions.STAGES), not new clocks."""
     m = request_metrics(trace_a())
     queue, prefill, decode = ServingMetrics.phase_times(m)
     assert queue == m.breakdown["queue"] == pytest.approx(0.002, abs=1e-12)
@@ -309,7 +306,8 @@ def test_trace_and_metrics_give_the_same_scrape():
     for tr in (trace_a(), trace_b(), trace_c()):
         by_trace.observe_request(tr)
         by_metrics.observe_request(request_metrics(tr))
-    drop_created = lambda s: {k: v for k, v in s.items() if not k.endswith("_created")}
+    def drop_created(s):
+        return {k: v for k, v in s.items() if not k.endswith("_created")}
     assert drop_created(scrape(by_trace)[0]) == drop_created(scrape(by_metrics)[0])
 
 

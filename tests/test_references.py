@@ -3,12 +3,11 @@ H200 run's files hold what its README says they hold (real provenance, the measu
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
-from minillm.measure import prefill_decode as pd
-from minillm.measure.outside_reference import load_references
-from minillm.measure.references import reference_paths, repository_root
-from minillm.measure.sweep import describe_run, load_result
+from minillm.bench.sweep import describe_run, load_result
+from minillm.experiments import prefill_decode as pd
+from minillm.experiments.outside_reference import load_references
+from minillm.experiments.references import reference_paths, repository_root
 
 H200 = repository_root() / "figures" / "reference" / "h200"
 

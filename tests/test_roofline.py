@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from minillm.measure import roofline as rf
 from minillm.model.config import PRESETS, ModelConfig
+from minillm.perf import roofline as rf
 
 # ----------------------------------------------------------------------------- a toy model by hand
 # hidden 8, 2 layers, 2 heads of dim 4, 1 KV head, MLP 16, vocab 10, untied embeddings.
@@ -170,7 +170,7 @@ def test_measured_knee_ignores_failed_points_and_order():
 # ----------------------------------------------------------------------------- the live sweep (tiny)
 @pytest.fixture(scope="module")
 def tiny_sweep():
-    from minillm.measure.sweep import run_sweep
+    from minillm.bench.sweep import run_sweep
     return run_sweep(model="tiny", device="cpu", batches=[1, 2, 4], steps=2, warmup=1,
                      copy_bytes=32 * 2**20, matmul_n=256, progress=False)
 
@@ -210,8 +210,8 @@ def test_sweep_result_is_well_formed(tiny_sweep):
 
 
 def test_sweep_writes_data_that_loads_back_and_a_figure(tiny_sweep, tmp_path):
+    from minillm.bench.sweep import load_result
     from minillm.plots.roofline import save_roofline_figure
-    from minillm.measure.sweep import load_result
     jp, cp = tiny_sweep.write(tmp_path / "runs")
     back = load_result(jp)
     assert back["model"] == "tiny" and [b["batch"] for b in back["batches"]] == [1, 2, 4]
@@ -228,8 +228,8 @@ def test_sweep_writes_data_that_loads_back_and_a_figure(tiny_sweep, tmp_path):
 def _small_ceilings(monkeypatch, read_value: float | None = None):
     """Shrink the sweep's ceiling measurements to a few MiB and a small matmul (seconds, not
     minutes); with ``read_value``, the read bandwidth is that number (a stand-in measurement)."""
-    from minillm.measure import hardware as hw
-    from minillm.measure import sweep
+    from minillm.bench import sweep
+    from minillm.hardware import machine as hw
     calls = []
 
     def read(dev, nbytes=None, **kw):
@@ -247,7 +247,7 @@ def _small_ceilings(monkeypatch, read_value: float | None = None):
 
 
 def test_the_bound_uses_the_read_bandwidth(monkeypatch):
-    from minillm.measure.sweep import run_sweep
+    from minillm.bench.sweep import run_sweep
     calls = _small_ceilings(monkeypatch, read_value=7.5e9)
     res = run_sweep(model="tiny", device="cpu", batches=[1], steps=1, warmup=1, progress=False, served=False)
     c = res.ceilings
@@ -265,7 +265,7 @@ def test_the_bound_uses_the_read_bandwidth(monkeypatch):
 
 
 def test_model_slug_makes_safe_file_names(tmp_path):
-    from minillm.measure.sweep import model_slug, output_stem
+    from minillm.bench.sweep import model_slug, output_stem
     ckpt = tmp_path / "My Model.v2"
     ckpt.mkdir()
     assert model_slug("cpu-small") == "cpu-small"
@@ -280,7 +280,9 @@ def test_roofline_cli_with_a_checkpoint_directory_writes_json_csv_and_figure(tmp
     """The bug: a checkpoint path went into the output file name, slashes and all, so the sweep
     ran and then could not write anything (exit 2)."""
     import json
+
     from hf_reference import make_hf_model
+
     from minillm.cli import main
     ckpt = tmp_path / "ckpts" / "tiny-llama"
     make_hf_model("llama", ckpt)
@@ -298,8 +300,8 @@ def test_roofline_cli_with_a_checkpoint_directory_writes_json_csv_and_figure(tmp
 
 
 def test_a_sweep_that_cannot_write_says_so_before_it_starts(tmp_path, monkeypatch, capsys):
+    from minillm.bench import sweep
     from minillm.cli import main
-    from minillm.measure import sweep
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("x")
 
@@ -371,7 +373,7 @@ def _sweep_dict(step_ms, batches=CPU_BATCHES, spread=None):
 
 
 def test_describe_run_says_what_the_data_shows():
-    from minillm.measure.sweep import describe_run
+    from minillm.bench.sweep import describe_run
     lines = describe_run(_sweep_dict(CPU_STEP_MS))
     text = " ".join(lines)
     assert "then falls" in lines[0] or "not flat" in lines[0]          # never "stays nearly flat" on this data
@@ -386,7 +388,7 @@ def test_describe_run_and_the_figure_mark_noisy_rows():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from minillm.measure.sweep import describe_run
+    from minillm.bench.sweep import describe_run
     from minillm.plots.roofline import plot_roofline
     d = _sweep_dict(CPU_STEP_MS, spread={4: 3.0})
     d.update(model="cpu-small", dtype="fp32", device="cpu", hardware={"name": "test cpu"})

@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from minillm.measure.http_overhead import arun_concurrent, astream_completion, fetch_traces, stream_completion
+from minillm.loadgen.http_overhead import arun_concurrent, astream_completion, fetch_traces, stream_completion
 from minillm.serving.server import ServerConfig, ServerThread
 
 KEY = "sk-test-server-0123456789"
@@ -394,7 +394,7 @@ def test_stop_ends_open_streams_and_leaves_no_thread():
 # ---- the benchmark (well-formed, not timed) ------------------------------------------------
 
 def test_bench_http_returns_well_formed_results():
-    from minillm.measure.http_overhead import run_http_overhead
+    from minillm.loadgen.http_overhead import run_http_overhead
     rep = run_http_overhead(model="tiny", device="cpu", dtype="fp32", n_requests=3, prompt_tokens=8, max_tokens=4,
                             warmup=1, mode="thread", max_batch_size=2, max_model_len=64)
     d = rep.to_dict()

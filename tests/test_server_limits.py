@@ -1,4 +1,4 @@
-"""Timeouts and limits on *receiving* requests (issue 8; serving/guard.py, chapter 10.1).
+"""Timeouts and limits on *receiving* requests (serving/guard.py, chapter 10.1).
 
 Raw sockets against a real server (tiny model, CPU fp32): slowloris clients — silent, half a
 head, a head trickled a byte at a time, half a body, blank lines on a kept-alive connection — are

@@ -1,4 +1,4 @@
-"""A soak test (issue 8): many clients, hang-ups, thousands of requests, then nothing leaked.
+"""A soak test: many clients, hang-ups, thousands of requests, then nothing leaked.
 
 One server (tiny model, CPU fp32, ``max_batch_size=64`` so that most of the 200 streams wait),
 one process: the clients are asyncio + ``httpx.AsyncClient`` in the test's thread.

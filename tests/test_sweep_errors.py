@@ -1,7 +1,7 @@
-"""A batch that does not fit is reported as such, and the sweep goes on (issue: the roofline, item 2)."""
+"""A batch that does not fit is reported as such, and the sweep goes on."""
 import torch
 
-from minillm.measure import sweep
+from minillm.bench import sweep
 
 
 def test_oom_batch_is_reported_and_sweep_continues(monkeypatch):

@@ -28,9 +28,9 @@ def test_no_notebook_picks_a_gpu_spec_by_a_name_prefix():
 
 
 def test_notebook_03_selects_the_h200_sxm():
-    import minillm.measure.roofline as rf
-    from minillm.measure.calculator import bounds, gpu_spec
+    import minillm.perf.roofline as rf
     from minillm.model.config import PRESETS
+    from minillm.perf.calculator import bounds, gpu_spec
     code = _code(ROOT / "notebooks" / "03_decode_roofline.ipynb")
     lines = [ln for ln in code.splitlines() if re.match(r"(SPEC_GPU|h200)\s*=", ln)]
     assert len(lines) == 2, lines
@@ -48,7 +48,7 @@ def test_notebook_03_selects_the_h200_sxm():
 
 
 def test_notebook_04_selects_the_h200_sxm():
-    from minillm.measure.calculator import gpu_spec
+    from minillm.perf.calculator import gpu_spec
     code = _code(ROOT / "notebooks" / "04_prefill_vs_decode.ipynb")
     (line,) = [ln for ln in code.splitlines() if re.match(r"h200\s*=", ln)]
     ns: dict = {"gpu_spec": gpu_spec}
@@ -119,7 +119,7 @@ def test_every_measuring_notebook_checks_the_machine_and_leaves_a_core_free():
 
 # ----------------------------------------------------------------------------- figure 10-1b's order
 def _server_trace(rid, received_ms, body_ms, scheduled_ms):
-    from minillm.measure.trace import Trace
+    from minillm.core.trace import Trace
     tr = Trace(rid)
     tr.record("received", t_ns=received_ms * MS)
     tr.record("authenticated", t_ns=received_ms * MS + 1000)
@@ -136,7 +136,7 @@ def test_the_burst_is_drawn_in_the_order_bodies_were_received():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from minillm.measure.trace import Trace
+    from minillm.core.trace import Trace
     from minillm.plots import lifecycle as PL
     # "early" connected first but its body came last: the server could only queue it last
     early = _server_trace("early", 0, 30, 40)
@@ -157,8 +157,8 @@ def test_the_burst_is_drawn_in_the_order_bodies_were_received():
 
 # ----------------------------------------------------------------------------- notebook 02's load
 def _fake_run(arrivals_ms, ttft_ms, e2e_ms):
-    from minillm.measure.metrics import metrics_from_traces
-    from minillm.measure.trace import Trace
+    from minillm.core.trace import Trace
+    from minillm.metrics.definitions import metrics_from_traces
     traces = []
     for k, (a, f, e) in enumerate(zip(arrivals_ms, ttft_ms, e2e_ms)):
         tr = Trace(f"r{k}")
@@ -171,7 +171,7 @@ def _fake_run(arrivals_ms, ttft_ms, e2e_ms):
 
 
 def test_rate_check_sees_a_run_that_keeps_up():
-    from minillm.measure.workload import rate_check
+    from minillm.loadgen.workload import rate_check
     n = 30
     run = _fake_run([100.0 * k for k in range(n)], [5.0] * n, [50.0] * n)       # 10 req/s, each done in 50 ms
     chk = rate_check(run, offered_rps=10.0)
@@ -180,7 +180,7 @@ def test_rate_check_sees_a_run_that_keeps_up():
 
 
 def test_rate_check_sees_an_overloaded_run():
-    from minillm.measure.workload import rate_check
+    from minillm.loadgen.workload import rate_check
     n = 30
     arrivals = [10.0 * k for k in range(n)]                   # 100 req/s offered
     done = [100.0 * (k + 1) for k in range(n)]                # the engine finishes 10 req/s
@@ -191,7 +191,7 @@ def test_rate_check_sees_an_overloaded_run():
 
 
 def test_closed_loop_keeps_its_concurrency_and_measures_a_service_rate(tiny_llm):
-    from minillm.measure.workload import (
+    from minillm.loadgen.workload import (
         LengthDist,
         make_requests,
         measure_service_rate,

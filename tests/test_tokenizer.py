@@ -3,8 +3,14 @@ import json
 
 import pytest
 
+from minillm.engine.tokenizer import (
+    DEFAULT_TOKENIZER_DIR,
+    IncrementalDetokenizer,
+    apply_chat,
+    encode_prompt,
+    load_tokenizer,
+)
 from minillm.model.config import DEFAULT_VOCAB
-from minillm.engine.tokenizer import DEFAULT_TOKENIZER_DIR, IncrementalDetokenizer, apply_chat, encode_prompt, load_tokenizer
 
 
 @pytest.fixture(scope="module")

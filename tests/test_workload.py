@@ -3,24 +3,43 @@
 No timing thresholds: the checks on real runs are about causality and order, read from trace
 timestamps (a request is never prepared before it arrived; a stalled gap really contains the
 long prefill), so they hold on any machine and fail if the mechanism breaks."""
+import json
 import math
 
 import matplotlib
 import numpy as np
-import json
-
 import pytest
 
 matplotlib.use("Agg")
 
+from minillm.core.trace import Trace
 from minillm.engine.engine import RequestError
-from minillm.measure.metrics import breakdown_at_percentile, distribution, metrics_from_traces, request_metrics
-from minillm.plots.metrics import (plot_itl_distribution, plot_ttft_breakdown, save_itl_distribution,
-                                   save_ttft_breakdown, stamp_for)
 from minillm.engine.sampling import SamplingParams
-from minillm.measure.trace import Trace
-from minillm.measure.workload import (FIRST_ORDINARY_ID, LengthDist, WorkloadRequest, gamma_arrivals, make_prompts,
-                              make_requests, poisson_arrivals, run_workload, stall_scenario, token_gaps)
+from minillm.loadgen.workload import (
+    FIRST_ORDINARY_ID,
+    LengthDist,
+    WorkloadRequest,
+    gamma_arrivals,
+    make_prompts,
+    make_requests,
+    poisson_arrivals,
+    run_workload,
+    stall_scenario,
+    token_gaps,
+)
+from minillm.metrics.definitions import (
+    breakdown_at_percentile,
+    distribution,
+    metrics_from_traces,
+    request_metrics,
+)
+from minillm.plots.metrics import (
+    plot_itl_distribution,
+    plot_ttft_breakdown,
+    save_itl_distribution,
+    save_ttft_breakdown,
+    stamp_for,
+)
 
 MS = 1_000_000
 

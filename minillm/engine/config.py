@@ -2,9 +2,26 @@
 all read this dataclass; its field names follow vLLM's where the concept is the same."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import argparse
+import typing
+from dataclasses import MISSING, dataclass, fields
 
 POLICIES = ("chunked", "prefill-first")
+
+# Fields a command names in its own way (its positional model, --device, --dtype, --seed): no engine flag.
+NOT_FLAGS = ("model", "tokenizer", "device", "dtype", "seed")
+FLAG_HELP = {
+    "max_batch_size": "requests in one step, i.e. KV slots (vLLM's --max-num-seqs)",
+    "max_num_batched_tokens": "tokens one step may hold (default: 2048 chunked; prefill-first: at least the context)",
+    "max_model_len": "context per request (default: the model's, capped to fit the KV memory)",
+    "kv_memory_fraction": "share of free device memory the KV cache may take",
+    "scheduling_policy": "chunked (decodes and prefill chunks share each step) or prefill-first",
+    "enable_prefix_caching": "reuse a finished request's K/V for a later prompt with the same prefix",
+    "enforce_eager": "never capture CUDA graphs",
+    "compile": "torch.compile the decode step (Inductor; eager is the default and the reference)",
+    "sync_timing": "synchronise the device before stamping traces (timestamps = work done)",
+    "step_history": "StepRecords the engine keeps (GET /v1/steps)",
+}
 
 
 @dataclass
@@ -48,3 +65,37 @@ class EngineConfig:
     @classmethod
     def names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+                      defaults: dict | None = None) -> None:
+        """One flag per field (``--max-batch-size`` …), in a group of its own. Values are checked by
+        ``__post_init__`` (one place), so a flag takes any string of its type and a bad value is
+        this class's one-line error. A flag not given stays None: :meth:`from_args` then applies
+        ``defaults``, else the field's default."""
+        hints = typing.get_type_hints(cls)
+        g = parser.add_argument_group("engine options (EngineConfig)")
+        for f in fields(cls):
+            if f.name in NOT_FLAGS:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            default = (defaults or {}).get(f.name, f.default if f.default is not MISSING else None)
+            help_ = FLAG_HELP.get(f.name, f.name) + (f" (default: {default})" if default is not None else "")
+            if hints[f.name] is bool:
+                g.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
+                continue
+            kind = next(t for t in (typing.get_args(hints[f.name]) or (hints[f.name],)) if t is not type(None))
+            metavar = "{" + ",".join(POLICIES) + "}" if f.name == "scheduling_policy" else kind.__name__.upper()
+            g.add_argument(flag, type=kind, default=None, metavar=metavar, help=help_)
+
+    @classmethod
+    def from_args(cls, a: argparse.Namespace, exclude: tuple[str, ...] = (), **defaults) -> "EngineConfig":
+        """The config a namespace asks for: the flags given (not None), else ``defaults``, else the
+        fields' own. ``exclude``: names that mean something else in this command. Raises ValueError
+        (one line) for a bad value."""
+        options = dict(defaults)
+        for name in cls.names():
+            v = getattr(a, name, None)
+            if v is not None and name not in exclude:
+                options[name] = v
+        return cls(**options)

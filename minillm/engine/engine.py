@@ -17,7 +17,9 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
+from minillm.core.device import free_memory_bytes
+from minillm.core.step_record import StepHistory, StepRecord
+from minillm.core.trace import Trace, now_ns
 from minillm.engine.config import EngineConfig
 from minillm.engine.gc_pauses import GC_CLOCK
 from minillm.engine.kv_cache import KVCache, size_kv_cache
@@ -27,10 +29,7 @@ from minillm.engine.runner import ModelRunner
 from minillm.engine.sampling import SamplingParams, TokenLogprobs, make_generator
 from minillm.engine.scheduler import ScheduledBatch, Scheduler
 from minillm.engine.sequence import Sequence
-from minillm.engine.step_record import StepHistory, StepRecord
 from minillm.engine.tokenizer import encode_prompt
-from minillm.measure.hardware import free_memory_bytes
-from minillm.measure.trace import Trace, now_ns
 from minillm.model.config import ModelConfig
 from minillm.model.transformer import Transformer
 
@@ -65,7 +64,7 @@ class RequestOutput:
 
     @property
     def metrics(self):
-        from minillm.measure.metrics import request_metrics
+        from minillm.metrics.definitions import request_metrics
         return request_metrics(self.trace)
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import gc
 from collections import deque
 
-from minillm.measure.trace import now_ns
+from minillm.core.trace import now_ns
 
 
 class GcClock:

@@ -3,12 +3,11 @@ from __future__ import annotations
 
 from typing import Iterator
 
-
+from minillm.core.device import default_dtype, parse_dtype, pick_device
 from minillm.engine.config import EngineConfig
 from minillm.engine.engine import LLMEngine, RequestOutput, generation_config_eos
 from minillm.engine.sampling import SamplingParams
 from minillm.engine.tokenizer import load_tokenizer
-from minillm.measure.hardware import default_dtype, parse_dtype, pick_device
 from minillm.model.loader import is_shape_twin, load_model, resolve_checkpoint
 
 

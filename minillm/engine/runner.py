@@ -30,6 +30,9 @@ import time
 import torch
 import torch._dynamo
 
+from minillm.core.device import synchronize
+from minillm.core.step_record import StepRecord
+from minillm.core.trace import now_ns
 from minillm.engine.attention import (
     AttentionBackend,
     AttentionMetadata,
@@ -49,9 +52,6 @@ from minillm.engine.sampling import (
 )
 from minillm.engine.scheduler import ScheduledBatch
 from minillm.engine.sequence import Sequence
-from minillm.engine.step_record import StepRecord
-from minillm.measure.hardware import synchronize
-from minillm.measure.trace import now_ns
 
 log = logging.getLogger(__name__)
 

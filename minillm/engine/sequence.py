@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from minillm.core.trace import Trace
 from minillm.engine.sampling import SamplingParams, TokenLogprobs
-from minillm.measure.trace import Trace
 
 
 class Status(enum.Enum):

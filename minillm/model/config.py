@@ -8,7 +8,7 @@ weight values, so a twin is all the roofline (chapter 10.3) needs.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
+from minillm.core.device import default_dtype, parse_dtype, pick_device
 from minillm.model.config import PRESETS, ModelConfig, get_preset
-from minillm.measure.hardware import default_dtype, parse_dtype, pick_device
 from minillm.model.transformer import Transformer
 
 INIT_STD = 0.02   # GPT-2/Llama-style init: keeps a random twin's activations finite in fp16

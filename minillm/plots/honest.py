@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from minillm.measure.bench_serve import BenchResult, metric_values
-from minillm.measure.metrics import client_request_metrics
+from minillm.loadgen.bench_serve import BenchResult, metric_values
+from minillm.metrics.definitions import client_request_metrics
 
 DECEPTIVE, HONEST = "tab:red", "tab:blue"
 

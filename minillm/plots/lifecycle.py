@@ -7,13 +7,13 @@
     request (``body_read``): with more requests than batch slots, the queue segments grow row after
     row — queueing, visible.
 
-The stages telescope like :func:`minillm.measure.metrics.ttft_breakdown` (each event closes a stage), so
+The stages telescope like :func:`minillm.metrics.definitions.ttft_breakdown` (each event closes a stage), so
 the bars of one request tile its life without gaps or overlaps::
 
     received ─gateway─► admitted ─tokenize─► tokenized ─queue─► scheduled ─prefill─► first token
              ─decode─► last token ─return─► response complete (server `finished`)
 
-Input: :class:`~minillm.measure.trace.Trace` objects, or the JSON of ``GET /v1/traces``
+Input: :class:`~minillm.core.trace.Trace` objects, or the JSON of ``GET /v1/traces``
 (``{"request_id", "events": [{"event", "t_ns", ...}]}``), or a list of such event rows.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from minillm.measure.trace import Trace
+from minillm.core.trace import Trace
 
 STAGE_ORDER = ("gateway", "body", "tokenize", "queue", "prefill", "decode", "return")
 STAGE_COLORS = {"gateway": "tab:purple", "body": "tab:brown", "tokenize": "tab:olive", "queue": "tab:red",
@@ -273,6 +273,7 @@ def save_request_timeline(single: Any, concurrent: Iterable[Any], stamp: str, ou
     import matplotlib
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
+
     from minillm.plots.figures import save_figure
     concurrent = list(concurrent)
     fig = request_timeline_figure(single, concurrent)

@@ -14,9 +14,15 @@ from typing import Sequence
 
 import numpy as np
 
-from minillm.measure.metrics import STAGES, RequestMetrics, breakdown_at_percentile, distribution, metrics_from_traces
-from minillm.measure.trace import Trace
-from minillm.measure.workload import token_gaps
+from minillm.core.trace import Trace
+from minillm.loadgen.workload import token_gaps
+from minillm.metrics.definitions import (
+    STAGES,
+    RequestMetrics,
+    breakdown_at_percentile,
+    distribution,
+    metrics_from_traces,
+)
 
 STAGE_COLORS = {"gateway": "tab:purple", "body": "tab:brown", "tokenize": "tab:olive", "queue": "tab:red",
                 "prefill": "tab:blue", "first_token": "tab:gray"}
@@ -28,7 +34,8 @@ def stamp_for(llm, what: str = "") -> str:
     """'measured <date> on <hardware>; model <name> <dtype> (shape twin...); torch <v>; <what>'."""
     import torch
 
-    from minillm.measure.hardware import describe_hardware, dtype_name
+    from minillm.core.device import dtype_name
+    from minillm.hardware.machine import describe_hardware
     twin = " (shape twin: random weights, real speed)" if getattr(llm, "is_shape_twin", False) else ""
     date = _dt.date.today().isoformat()
     return (f"measured {date} on {describe_hardware(llm.device).summary()}; model {llm.model_name} "

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from minillm.engine.step_record import PHASES
-from minillm.measure.busy import NOISY_SPREAD, spread
-from minillm.measure.outside_steps import (
+from minillm.core.step_record import PHASES
+from minillm.experiments.outside_steps import (
     CHAPTER_OUTSIDE_SHARE,
     OUTSIDE_PHASES,
     PHASE_LABELS,
     PhaseCase,
 )
+from minillm.hardware.quiet import NOISY_SPREAD, spread
 
 # bottom to top: outside the forward first, then the forward
 STACK = (*OUTSIDE_PHASES, *[p for p in PHASES if p not in OUTSIDE_PHASES])
@@ -52,7 +52,7 @@ def plot_step_phases(cases, references=None, reference_label: str = "reference",
         ax.annotate(f"{100 * o:.0f} %", (x, o), xytext=(0, 3), textcoords="offset points", ha="center",
                     va="bottom", fontsize=8, color="white" if o < 0.9 else "black", fontweight="bold")
         ax.text(x, 1.01, f"{c.mean_wall_ms:.3g} ms/step", ha="center", va="bottom", fontsize=8)
-        if c.noisy:        # the step times spread widely: something else ran (minillm.measure.busy)
+        if c.noisy:        # the step times spread widely: something else ran (minillm.hardware.quiet)
             ax.bar([x], [1.0], width=0.62, fill=False, edgecolor="red", linewidth=1.6, hatch="//")
             ax.text(x, 0.5, f"noisy\n×{c.spread:.1f}", ha="center", va="center", fontsize=8, color="red",
                     fontweight="bold", bbox={"facecolor": "white", "edgecolor": "red", "alpha": 0.85, "pad": 1})
@@ -77,7 +77,7 @@ def plot_sampling_cost(bench, step_ms: dict[str, float] | None = None, title: st
     """``bench``: a SamplingBench or its dict. ``step_ms``: {label: ms} of decode steps to mark."""
     import matplotlib.pyplot as plt
 
-    from minillm.measure.outside_sampling import SamplingBench
+    from minillm.experiments.outside_sampling import SamplingBench
     b = bench if isinstance(bench, SamplingBench) else SamplingBench.from_dict(bench)
     methods = methods or b.method_names
     vocabs = b.vocabs
@@ -95,7 +95,7 @@ def plot_sampling_cost(bench, step_ms: dict[str, float] | None = None, title: st
                         color=METHOD_COLORS.get(m), label=f"{m} ({impl})")
                 bad = [(B, r.ms_median) for B in b.batches if (r := b.get(m, B, V, impl)) is not None
                        and (sp := spread(r.ms)) is not None and sp > NOISY_SPREAD]
-                if bad:          # repeats that spread widely: ringed in red (minillm.measure.busy)
+                if bad:          # repeats that spread widely: ringed in red (minillm.hardware.quiet)
                     ax.scatter([q[0] for q in bad], [q[1] for q in bad], s=90, facecolors="none", edgecolors="red",
                                linewidths=1.3, zorder=5)
                     noisy_any = True

@@ -1,4 +1,4 @@
-"""The chapter 10.4 figures, drawn from data (the dicts of ``minillm.measure.prefill_decode``),
+"""The chapter 10.4 figures, drawn from data (the dicts of ``minillm.experiments.prefill_decode``),
 so a reference run and a learner's live run go on the same axes:
 
 - ``10-4-roofline-prefill-decode``: attainable FLOP/s against arithmetic intensity (log-log) with
@@ -14,8 +14,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from minillm.measure.busy import NOISY_SPREAD
-from minillm.measure.prefill_decode import cost_ratio, slo_crossing
+from minillm.experiments.prefill_decode import cost_ratio, slo_crossing
+from minillm.hardware.quiet import NOISY_SPREAD
 
 PREFILL_C, DECODE_C, REF_C = "tab:orange", "tab:blue", "tab:purple"
 
@@ -80,7 +80,7 @@ def plot_roofline_prefill_decode(result: dict, references: list[dict] | None = N
                 ax.annotate(f"{pre_}{r[key]}", (r["intensity"], r["achieved_flops"]), fontsize=7,
                             xytext=(4, -10 if pre_ == "B=" else 4), textcoords="offset points")
     noisy = [r for r in pre + dec if r.get("time_ms_p10") and r["time_ms_p90"] / r["time_ms_p10"] > NOISY_SPREAD]
-    if noisy:        # samples that spread widely: something else ran (minillm.measure.busy)
+    if noisy:        # samples that spread widely: something else ran (minillm.hardware.quiet)
         ax.scatter([r["intensity"] for r in noisy], [r["achieved_flops"] for r in noisy], s=150, facecolors="none",
                    edgecolors="red", linewidths=1.4, zorder=5,
                    label=f"noisy: samples spread > ×{NOISY_SPREAD:g} (p90/p10): rerun")

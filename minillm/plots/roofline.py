@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import minillm.measure.roofline as rf
+import minillm.perf.roofline as rf
 from minillm.model.config import ModelConfig
 
 
@@ -56,7 +56,7 @@ def plot_roofline(result: dict, references: list[dict] | None = None, ax=None):
     ax.plot([b["batch"] for b in ok], [b["per_request_tok_s"] for b in ok], "o-", color="tab:orange",
             label="measured per-request tok/s")
     # rows whose repeats spread widely (something else ran): ringed in red, so nobody reads them as data
-    from minillm.measure.busy import NOISY_SPREAD, noisy_rows
+    from minillm.hardware.quiet import NOISY_SPREAD, noisy_rows
     noisy = noisy_rows({b["batch"]: b.get("forward_ms") or [] for b in ok})
     if noisy:
         nb_ = [b for b in ok if b["batch"] in noisy]
@@ -105,7 +105,7 @@ def _bw_kind(result: dict) -> str:
 
 
 def stamp_of(result: dict) -> str:
-    from minillm.measure.sweep import ceilings_line
+    from minillm.bench.sweep import ceilings_line
     hw = result.get("hardware", {})
     return (f"measured {result.get('started', '')} on {hw.get('summary') or hw.get('name') or result['device']}; "
             f"model {result['model']} {result['dtype']}; {ceilings_line(result['ceilings'])}; "
@@ -117,6 +117,7 @@ def save_roofline_figure(result: dict, references: list[dict] | None = None,
     import matplotlib
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
+
     from minillm.plots.figures import save_figure
     fig = plot_roofline(result, references)
     paths = save_figure(fig, name, stamp_of(result), out_dir, data=result)

@@ -25,8 +25,8 @@ from starlette.requests import (
     Request,  # module level: FastAPI resolves string annotations here
 )
 
-from minillm.engine.step_record import PHASES
-from minillm.measure.trace import Trace, now_ns
+from minillm.core.step_record import PHASES
+from minillm.core.trace import Trace, now_ns
 from minillm.serving.config import ServerConfig
 from minillm.serving.engine_loop import Closed
 from minillm.serving.gateway import AdmittedRequest, GatewayError

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from minillm.core.device import default_server_threads
 from minillm.engine.config import EngineConfig
 from minillm.serving.gateway import keys_from_env_and_args
 
@@ -102,10 +103,9 @@ class ServerConfig(_ServerOptions):
 
 def config_from_args(a, engine: EngineConfig | None = None) -> ServerConfig:
     """``argparse`` namespace of ``python -m minillm serve`` → :class:`ServerConfig`. The engine's
-    flags are generated from :class:`EngineConfig` (``minillm.cli.engine_config_from_args``)."""
+    flags are generated from :class:`EngineConfig` (``EngineConfig.add_arguments``/``from_args``)."""
     if engine is None:
-        from minillm.cli import engine_config_from_args
-        engine = engine_config_from_args(a)
+        engine = EngineConfig.from_args(a)
 
     def opt(name: str, default=None):
         return getattr(a, name, default)
@@ -122,21 +122,3 @@ def config_from_args(a, engine: EngineConfig | None = None) -> ServerConfig:
                         trace_history=opt("trace_history", 10_000),
                         trace_store_bytes=opt("trace_store_bytes", 64 << 20),
                         torch_threads=opt("torch_threads") or default_server_threads(engine.device))
-
-
-def default_server_threads(device: str | None) -> int | None:
-    """For ``serve`` on a CPU: one core fewer than we may use, for the HTTP side (min 1).
-
-    Why: the engine thread is not the main thread, and OpenMP regions started from another
-    thread compete badly with the main thread's idle OpenMP workers. Measured on a 2-core Xeon
-    (torch 2.13 CPU, the tiny model): a prefill took 2.0 ms from the main thread, 5.3 ms from a
-    second thread with 2 OpenMP threads, 2.2 ms from a second thread with 1. Only the CLI server
-    (a process of its own) gets this default; a ServerThread inside a notebook leaves torch alone.
-    On an accelerator the intra-op threads barely matter: None (torch's default)."""
-    from minillm.measure.hardware import cpu_cores, pick_device
-    try:
-        if pick_device(device).type != "cpu":
-            return None
-    except ValueError:
-        return None            # LLM(...) reports the bad device with its own message
-    return max(1, cpu_cores() - 1)

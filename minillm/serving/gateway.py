@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Mapping
 
-from minillm.measure.trace import Trace
+from minillm.core.trace import Trace
 
 Clock = Callable[[], float]
 

@@ -1,4 +1,4 @@
-"""``GET /metrics``: the server's counters in Prometheus' text format, under vLLM's names (issue 8).
+"""``GET /metrics``: the server's counters in Prometheus' text format, under vLLM's names.
 
 Same names, same labels, same buckets as vLLM, so that vLLM's example Grafana dashboard and any
 alert written for ``vllm serve`` work against ``minillm serve`` unchanged.
@@ -37,15 +37,15 @@ also adds a ``..._created`` sample, as vLLM's does in single-process mode). Ever
 from the start at zero (vLLM creates its labelled children up front too), so a panel shows 0, not
 "no data", before the first request.
 
-What we measure, and how it lines up with vLLM (minillm's definitions, ``minillm.measure.metrics``):
+What we measure, and how it lines up with vLLM (minillm's definitions, ``minillm.metrics.definitions``):
 
-* TTFT, ITL, E2E, TPOT are :class:`~minillm.measure.metrics.RequestMetrics`' ``ttft_s``, ``itl_s``
+* TTFT, ITL, E2E, TPOT are :class:`~minillm.metrics.definitions.RequestMetrics`' ``ttft_s``, ``itl_s``
   (engine-side token gaps), ``e2e_s``, ``tpot_s``. TTFT ends at the first *non-empty* token, as
   ``vllm bench serve`` sees it; vLLM's histogram ends at the first token out of the engine. E2E
   ends at the last token (vLLM: at the finishing step), so both differ from vLLM's by at most the
   detokenizer's hold-back and the last bookkeeping step.
 * Queue / prefill / decode / inference time come from the TTFT breakdown
-  (:func:`~minillm.measure.metrics.ttft_breakdown`): queue = its ``queue`` stage (enqueued and
+  (:func:`~minillm.metrics.definitions.ttft_breakdown`): queue = its ``queue`` stage (enqueued and
   scheduled close it; preemptions count as queueing), prefill = ``prefill`` + ``first_token``
   stages (scheduled → first token, vLLM's SCHEDULED → first NEW_TOKEN), decode = first → last
   ``token`` event (= the sum of the ITLs), inference = prefill + decode.
@@ -80,8 +80,8 @@ from prometheus_client import (
     generate_latest,
 )
 
-from minillm.measure.metrics import RequestMetrics, request_metrics
-from minillm.measure.trace import Trace
+from minillm.core.trace import Trace
+from minillm.metrics.definitions import RequestMetrics, request_metrics
 
 __all__ = [
     "DASHBOARD_NAMES",

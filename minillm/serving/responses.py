@@ -8,7 +8,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
-from minillm.measure.trace import Trace
+from minillm.core.trace import Trace
 from minillm.serving.engine_loop import Closed, Stream
 from minillm.serving.gateway import AdmittedRequest, GatewayError
 

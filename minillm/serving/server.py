@@ -49,13 +49,12 @@ import threading
 import time
 from typing import Any
 
+from minillm.core.trace import Trace
 from minillm.engine.gc_pauses import freeze_startup_heap
-from minillm.measure.trace import Trace
 from minillm.serving.app import create_app
 from minillm.serving.config import (  # noqa: F401 (the public names)
     ServerConfig,
     config_from_args,
-    default_server_threads,
 )
 from minillm.serving.state import ServingState
 

@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 
-from minillm.measure.trace import Trace
+from minillm.core.trace import Trace
 from minillm.serving.config import ServerConfig
 from minillm.serving.engine_loop import EngineLoop
 from minillm.serving.gateway import (
@@ -198,7 +198,9 @@ class ServingState:
         process is `minillm serve`'s own; minillm.engine.gc_pauses)."""
         import gc
         from dataclasses import asdict
-        from minillm.measure.hardware import describe_hardware, dtype_name
+
+        from minillm.core.device import dtype_name
+        from minillm.hardware.machine import describe_hardware
         return {"model": self.model_name, "root": str(self.config.engine.model),
                 "dtype": dtype_name(self.llm.dtype), "device": str(self.llm.device),
                 "hardware": describe_hardware(self.llm.device).summary(), "parallel": "tp=1, pp=1, dp=1",

@@ -18,7 +18,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from minillm.measure.trace import Trace
+from minillm.core.trace import Trace
 from minillm.serving.gateway import ADMIN
 
 

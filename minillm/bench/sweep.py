@@ -1,0 +1,602 @@
+"""The live roofline measurement (chapter 10.3): decode tok/s against batch size.
+
+For each batch size B we put B requests in the running batch at a fixed context length L,
+warm up, then time N decode steps twice:
+- ``forward``: the model's forward pass alone (the part the roofline describes);
+- ``engine``: the whole ``LLMEngine.step()`` — scheduling, sampling, detokenizing, traces
+  (the difference is chapter 10.5's "time outside the accelerator").
+Both use the *ideal* layout: equal lengths, contiguous slots, so attention reads a view of the
+cache and moves exactly W + B·L·k bytes (the roofline's formula). Then a third time:
+- ``served``: ``LLMEngine.step()`` with lengths drawn uniformly in [L/2, 3L/2] and scattered
+  slots, as a served batch looks. Rows of different lengths are read through one gather of
+  B·max(L) positions (read, copied, read again by attention: ≈ W + 3·B·max(L)·k), where Σ L
+  would be the minimum. The gap per batch is what serving pays for that layout.
+Step times are synchronised device times (we wait for the device before reading the clock).
+
+The bound is drawn with the measured *read* bandwidth (a decode step reads its weights and
+writes almost nothing); the copy bandwidth (read + write) is measured and shown beside it.
+Output files are named from a safe slug of the model (``model_slug``): a checkpoint path never
+puts its slashes in a file name, and a directory that cannot be written is refused before
+the sweep starts, not after it ran.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import re
+import socket
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+import minillm.perf.roofline as rf
+from minillm.core.device import dtype_bytes, dtype_name, free_memory_bytes, synchronize
+from minillm.core.trace import Trace
+from minillm.engine.sampling import SamplingParams
+from minillm.engine.sequence import Sequence, Status
+from minillm.hardware.machine import (
+    describe_hardware,
+    measure_copy_bandwidth,
+    measure_matmul_peak,
+    measure_read_bandwidth,
+)
+from minillm.hardware.quiet import NOISY_SPREAD as _NOISY_SPREAD
+from minillm.model.config import PRESETS
+
+DEFAULT_BATCHES = [1, 2, 4, 8, 16, 32, 48, 64]
+NOISY_SPREAD = _NOISY_SPREAD   # p90 / p10 of a row's repeats above which it is flagged (busy.py)
+
+
+def default_batches(max_batch: int = 64) -> list[int]:
+    """1, 2, 4, … 64 as in the chapter; beyond 64 continue in powers of two up to max_batch."""
+    out = [b for b in DEFAULT_BATCHES if b <= max_batch]
+    b = 128
+    while b <= max_batch:
+        out.append(b)
+        b *= 2
+    if max_batch not in out:
+        out.append(max_batch)
+    return sorted(set(out))
+
+
+def parse_batches(text: str) -> list[int]:
+    try:
+        vals = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise ValueError(f"--batches must be comma-separated integers like 1,2,4,8, got {text!r}") from None
+    if not vals or vals[0] < 1:
+        raise ValueError(f"batch sizes must be ≥ 1, got {text!r}")
+    return vals
+
+
+def default_model_for(device: torch.device) -> str:
+    """CPU: cpu-small. A big GPU: the llama-3.1-8b twin. A smaller GPU: the largest twin whose
+    bf16 weights take at most 60 % of its memory (room for the KV cache of batch 64)."""
+    if device.type == "cpu":
+        return "cpu-small"
+    mem = free_memory_bytes(device)
+    for name in ("llama-3.1-8b", "qwen2.5-7b", "llama-3.2-1b", "qwen2.5-0.5b"):
+        if PRESETS[name].num_params * 2 <= 0.6 * mem:
+            return name
+    return "cpu-small"
+
+
+def model_slug(model: str | Path) -> str:
+    """A safe piece of a file name for a model: a preset as it is, a checkpoint directory by its
+    own name, a hub id ``org/name`` as ``org--name`` (the Hugging Face cache's spelling); any
+    other character outside ``[A-Za-z0-9._-]`` becomes ``-``."""
+    text = str(model).strip()
+    if text in PRESETS:
+        return text
+    p = Path(text).expanduser()
+    if p.is_dir() or p.is_absolute() or text.startswith((".", "~")) or text.endswith(("/", os.sep)):
+        text = p.resolve().name                      # a path: the checkpoint directory's own name
+    else:
+        text = text.replace("/", "--")               # a hub id
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip(".-") or "model"
+
+
+def output_stem(model: str | Path, dtype: str, device: str) -> str:
+    """``roofline-<model slug>-<dtype>-<device type>``: the JSON's and the CSV's name."""
+    return f"roofline-{model_slug(model)}-{dtype}-{str(device).split(':')[0]}"
+
+
+def check_writable(*dirs: str | Path | None) -> None:
+    """Create each directory and write a probe file in it, so a sweep that could not save its
+    results says so before it starts (ValueError, one line), not after minutes of measuring."""
+    for d in dirs:
+        if d is None:
+            continue
+        d = Path(d)
+        probe = d / f".minillm-write-probe-{os.getpid()}"
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            probe.write_text("")
+            probe.unlink()
+        except OSError as e:
+            raise ValueError(f"cannot write results to {d} ({type(e).__name__}: {e.strerror or e}); "
+                             f"choose another directory (--out / --figures)") from None
+
+
+@dataclass
+class BatchResult:
+    batch: int
+    status: str                               # "ok" | "oom" | "error: ..."
+    context: int
+    forward_ms: list[float] = field(default_factory=list)   # every sample
+    engine_ms: list[float] = field(default_factory=list)
+    forward_ms_median: float | None = None
+    engine_ms_median: float | None = None
+    forward_ms_p10: float | None = None
+    forward_ms_p90: float | None = None
+    per_request_tok_s: float | None = None    # 1 / forward step time
+    aggregate_tok_s: float | None = None      # B / forward step time
+    engine_aggregate_tok_s: float | None = None
+    bytes_per_step: int | None = None
+    flops_per_step: int | None = None
+    achieved_bw: float | None = None          # bytes/s
+    achieved_flops: float | None = None       # FLOP/s
+    mbu: float | None = None                  # achieved_bw / measured read bandwidth (the bound's)
+    mfu: float | None = None                  # achieved_flops / measured matmul peak
+    bound_tok_s: float | None = None          # aggregate bound at this batch (measured ceilings)
+    pct_of_bound: float | None = None
+    # "served": engine.step() with lengths drawn around the context and scattered slots
+    served_ms: list[float] = field(default_factory=list)
+    served_ms_median: float | None = None
+    served_max_context: int | None = None
+    served_aggregate_tok_s: float | None = None
+    served_bytes_per_step: int | None = None  # W + 3·B·max(L)·k: gather read + copy write + attention read
+    served_gap: float | None = None           # served step time / ideal engine step time
+
+
+@dataclass
+class SweepResult:
+    model: str
+    dtype: str
+    device: str
+    hardware: dict
+    host: str
+    torch_version: str
+    python: str
+    command: str
+    context: int
+    warmup: int
+    steps: int
+    cuda_graphs: bool
+    ceilings: dict                            # measured + spec: bandwidth (B/s: read; copy beside it), peak (FLOP/s)
+    model_bytes: int
+    config: dict
+    predicted_crossover: float                # B* (no KV)
+    predicted_crossover_kv: float             # B* with KV at this context
+    measured_knee: float | None
+    batches: list[BatchResult]
+    started: str = ""
+    duration_s: float = 0.0
+    knee_note: str = ""                       # what the knee fit found, or why there is no knee
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def write(self, out_dir: str | Path, stem: str | None = None) -> tuple[Path, Path]:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        stem = stem or output_stem(self.model, self.dtype, self.device)
+        jp, cp = out / f"{stem}.json", out / f"{stem}.csv"
+        jp.write_text(dumps_strict(self.to_dict()))
+        cols = ["batch", "status", "context", "forward_ms_median", "engine_ms_median", "served_ms_median",
+                "served_max_context", "served_gap", "per_request_tok_s",
+                "aggregate_tok_s", "engine_aggregate_tok_s", "achieved_bw", "mbu", "mfu", "bound_tok_s", "pct_of_bound"]
+        lines = [",".join(cols)] + [",".join("" if getattr(b, c) is None else str(getattr(b, c)) for c in cols)
+                                    for b in self.batches]
+        cp.write_text("\n".join(lines) + "\n")
+        return jp, cp
+
+    def ceilings_line(self) -> str:
+        return ceilings_line(self.ceilings)
+
+    def table(self) -> str:
+        hdr = (f"{'batch':>5} {'step ms':>9} {'engine ms':>10} {'served ms':>10} {'tok/s/req':>10} {'tok/s agg':>10} "
+               f"{'% bound':>8} {'MBU':>6} {'MFU':>6}")
+        rows, noisy = [self.ceilings_line(), hdr], []
+        for b in self.batches:
+            if b.status != "ok":
+                rows.append(f"{b.batch:>5} {b.status}")
+                continue
+            # a wide spread means something else ran on the machine: the median may be off (10.6)
+            flag = " *" if b.forward_ms_p10 and b.forward_ms_p90 / b.forward_ms_p10 > NOISY_SPREAD else ""
+            if flag:
+                noisy.append(b.batch)
+            served = f"{b.served_ms_median:>10.2f}" if b.served_ms_median else f"{'-':>10}"
+            rows.append(f"{b.batch:>5} {b.forward_ms_median:>9.2f} {b.engine_ms_median:>10.2f} {served} "
+                        f"{b.per_request_tok_s:>10.1f} {b.aggregate_tok_s:>10.1f} {100 * b.pct_of_bound:>7.0f}% "
+                        f"{100 * b.mbu:>5.0f}% {100 * b.mfu:>5.1f}%{flag}")
+        if noisy:
+            rows.append(f"* noisy: p90/p10 of the step time > {NOISY_SPREAD} at batch {', '.join(map(str, noisy))}; "
+                        f"something else was using the machine, rerun before trusting these rows")
+        knee = "none" if self.measured_knee is None else f"{self.measured_knee:.1f}"
+        rows.append(f"predicted crossover B* = {self.predicted_crossover:.1f} (KV-aware at L={self.context}: "
+                    f"{self.predicted_crossover_kv:.1f}); measured knee: {knee}")
+        if self.knee_note:
+            rows.append(f"  {self.knee_note}")
+        return "\n".join(rows)
+
+
+def ceilings_line(c: dict) -> str:
+    """One line naming each ceiling and which one the bound uses (older runs measured only a
+    copy, and drew their bound with it: they are labelled so)."""
+    bw = c.get("bandwidth")
+    if c.get("source") != "measured":
+        return (f"ceilings ({c.get('source', 'unknown')}): bandwidth "
+                f"{bw / 1e9:.1f} GB/s" if bw else f"ceilings: {c.get('source', 'unknown')}")
+    peak = c.get("peak_flops")
+    kind = c.get("bandwidth_kind", "copy")
+    parts = [f"read {c['read_bandwidth'] / 1e9:.1f} GB/s" + (" (the bound's)" if kind == "read" else "")
+             ] if c.get("read_bandwidth") else []
+    copy = c.get("copy_bandwidth") or (bw if kind == "copy" else None)
+    if copy:
+        parts.append(f"copy {copy / 1e9:.1f} GB/s (read + write" + (", the bound's)" if kind == "copy" else ")"))
+    if peak:
+        parts.append(f"matmul {peak / 1e12:.2f} TFLOP/s")
+    return "ceilings (measured): " + ", ".join(parts)
+
+
+_NONFINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
+
+
+def _finite(o):
+    """Strict JSON has no Infinity/NaN (B* is infinite when KV traffic outgrows compute)."""
+    if isinstance(o, float) and not math.isfinite(o):
+        return str(o)
+    if isinstance(o, dict):
+        return {k: _finite(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_finite(v) for v in o]
+    return o
+
+
+def dumps_strict(d: dict) -> str:
+    return json.dumps(_finite(d), indent=1, default=str, allow_nan=False)
+
+
+def _restore(d: dict) -> dict:
+    return {k: _NONFINITE.get(v, v) if isinstance(v, str) else v for k, v in d.items()}
+
+
+def load_result(path: str | Path) -> dict:
+    return json.loads(Path(path).read_text(), object_hook=_restore)
+
+
+# ---------------------------------------------------------------------------- timing
+def _time_steps(fn: Callable[[], object], device: torch.device, warmup: int, steps: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    samples = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return samples
+
+
+def fill_running_batch(engine, batch: int, context: int | list[int], order: list[int] | None = None
+                       ) -> list[Sequence]:
+    """Put ``batch`` requests in the running batch as if each had ``context`` tokens cached
+    (one int, or one length per row). The KV values are whatever the cache holds: decode speed
+    depends on shapes, not values, so skipping B real prefills keeps the sweep at seconds
+    instead of minutes. ``order``: the rows' slots are taken in this order (scattered slots)."""
+    lens = context if isinstance(context, list) else [context] * batch
+    params = SamplingParams(max_tokens=10**9, temperature=0, ignore_eos=True)
+    g = torch.Generator(device=engine.device).manual_seed(batch)
+    slots = [engine.allocator.allocate(f"sweep-{batch}-{i}")[0] for i in range(batch)]
+    if order is not None:
+        slots = [slots[i] for i in order]
+    seqs = []
+    for i, (slot, L) in enumerate(zip(slots, lens)):
+        rid = f"sweep-{batch}-{i}"
+        engine.allocator._owner[slot] = rid
+        seq = Sequence(rid, None, [1] * L, params, Trace(rid), slot=slot, status=Status.RUNNING,
+                       output_ids=[1], num_computed=L)   # the "last sampled" token: next step decodes it
+        seq.output = engine.output.new_state([])
+        _fill_kv(engine.cache, slot, L, g)
+        engine._seqs[rid] = seq
+        engine.scheduler.running.append(seq)
+        seqs.append(seq)
+    return seqs
+
+
+def _fill_kv(cache, slot: int, length: int, g: torch.Generator) -> None:
+    """Give the pretend-cached positions ordinary values. The pool is allocated empty (never
+    zero-filled), and leftover memory could hold NaNs or denormal floats, which a CPU computes
+    with many times slower: the timing must not depend on what the allocator handed back."""
+    for t in cache.k + cache.v:
+        t[slot, :length].normal_(generator=g)             # on the device, in its dtype
+
+
+def _forward_fn(engine, seqs: list[Sequence], use_graphs: bool):
+    """The model's forward alone on the ideal layout: equal lengths, contiguous slots (a view of
+    the cache, no gather, no mask). Bytes: W + B·L·k exactly."""
+    from minillm.engine.attention import build_metadata
+    from minillm.engine.cuda_graphs import GraphPool
+    model, dev, backend = engine.model, engine.device, engine.runner.backend
+    meta = build_metadata(engine.cache, [(s.slot, s.num_computed) for s in seqs], [], dev)
+    tokens = torch.ones(len(seqs), dtype=torch.long, device=dev)                 # [B]
+    positions = torch.tensor([s.num_computed for s in seqs], device=dev)        # [B]
+    index = torch.arange(len(seqs), device=dev)
+
+    def forward():
+        backend.begin(meta)
+        return model.forward_packed(tokens, positions, backend, index)          # [B, V]
+    if use_graphs and dev.type == "cuda":
+        return GraphPool().capture((len(seqs), meta.decode_len), forward)
+    return forward
+
+
+def served_lengths(batch: int, context: int, seed: int = 0) -> list[int]:
+    """The "served" path's context lengths: uniform in [L/2, 3L/2] (mean ≈ L), as a served batch
+    holds requests at different points of their lives."""
+    g = torch.Generator().manual_seed(seed + batch)
+    return torch.randint(max(1, context // 2), context + context // 2 + 1, (batch,), generator=g).tolist()
+
+
+@torch.inference_mode()
+def measure_batch(engine, batch: int, context: int, warmup: int, steps: int, use_graphs: bool,
+                  served: bool = True) -> BatchResult:
+    need = context + context // 2 + warmup + 2 * steps + 2            # the engine steps advance the sequences
+    if engine.max_model_len < need:
+        # the KV cache shrank to fit memory: writing past it is a device-side assert on CUDA
+        raise MemoryError(f"out of memory: the KV cache for batch {batch} holds {engine.max_model_len} "
+                          f"tokens per slot, the sweep needs {need}")
+
+    def engine_step_checked():
+        outs = engine.step()
+        failed = [o for o in outs if o.finish_reason == "error"]
+        if failed or len(outs) != batch:      # a failed step returns fast: never time it as "ok"
+            raise RuntimeError(engine.get(failed[0].request_id).error if failed else
+                               f"the running batch shrank to {len(outs)}")
+
+    def release(seqs):
+        for s in seqs:
+            engine.abort(s.request_id)
+            engine._seqs.pop(s.request_id, None)
+        engine.allocator.forget()
+
+    seqs = fill_running_batch(engine, batch, context)
+    try:
+        fwd = _time_steps(_forward_fn(engine, seqs, use_graphs), engine.device, warmup, steps)
+        eng = _time_steps(engine_step_checked, engine.device, 1, steps)
+    finally:
+        release(seqs)
+    r = BatchResult(batch, "ok", context, forward_ms=fwd, engine_ms=eng)
+    if served:
+        lens = served_lengths(batch, context)
+        order = torch.randperm(batch, generator=torch.Generator().manual_seed(batch)).tolist()
+        seqs = fill_running_batch(engine, batch, lens, order)
+        try:
+            r.served_ms = _time_steps(engine_step_checked, engine.device, warmup, steps)
+        finally:
+            release(seqs)
+        r.served_max_context = max(lens)
+    return r
+
+
+def _fill_derived(r: BatchResult, cfg, nbytes: int, bw: float, peak: float) -> None:
+    r.forward_ms_median = statistics.median(r.forward_ms)
+    r.engine_ms_median = statistics.median(r.engine_ms)
+    q = statistics.quantiles(r.forward_ms, n=10, method="inclusive") if len(r.forward_ms) > 1 else [r.forward_ms[0]] * 9
+    r.forward_ms_p10, r.forward_ms_p90 = q[0], q[-1]
+    step_s = r.forward_ms_median / 1e3
+    r.per_request_tok_s = 1 / step_s
+    r.aggregate_tok_s = r.batch / step_s
+    r.engine_aggregate_tok_s = r.batch / (r.engine_ms_median / 1e3)
+    r.bytes_per_step = rf.decode_step_bytes(cfg, nbytes, r.batch, r.context)
+    r.flops_per_step = rf.decode_step_flops(cfg, r.batch, r.context)
+    r.achieved_bw, r.achieved_flops = r.bytes_per_step / step_s, r.flops_per_step / step_s
+    r.mbu, r.mfu = r.achieved_bw / bw, r.achieved_flops / peak
+    r.bound_tok_s = rf.aggregate_bound(cfg, nbytes, r.batch, r.context, bw, peak)
+    r.pct_of_bound = r.aggregate_tok_s / r.bound_tok_s
+    if r.served_ms:
+        r.served_ms_median = statistics.median(r.served_ms)
+        r.served_aggregate_tok_s = r.batch / (r.served_ms_median / 1e3)
+        kv = cfg.kv_bytes_per_token(nbytes)
+        r.served_bytes_per_step = rf.weight_bytes_per_step(cfg, nbytes, r.batch) + 3 * r.batch * r.served_max_context * kv
+        r.served_gap = r.served_ms_median / r.engine_ms_median
+
+
+def _is_oom(e: BaseException) -> bool:
+    return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "out of memory" in str(e).lower()
+
+
+def run_sweep(model: str | None = None, device: str | None = None, dtype: str | None = None,
+              batches: list[int] | None = None, context: int | None = None, warmup: int = 3, steps: int = 10,
+              cuda_graphs: bool = True, measure_ceilings: bool = True, progress: bool = True,
+              command: str | None = None, copy_bytes: int | None = None, matmul_n: int | None = None,
+              seed: int = 0, partial_path: str | Path | None = None, served: bool = True,
+              read_bytes: int | None = None, out_dir: str | Path | None = None,
+              figures_dir: str | Path | None = None) -> SweepResult:
+    """Sweep decode batches (see the module docstring). ``partial_path``: append each batch's result there as one JSON line as soon as it is
+    measured, so a sweep killed by a time limit keeps what it measured. ``out_dir``,
+    ``figures_dir`` (and ``partial_path``'s directory): checked for writing before anything is
+    measured. ``read_bytes``: the read-bandwidth buffer (default: ``copy_bytes`` when that is
+    given, so a small test stays small, else twice the last-level cache)."""
+    from minillm.core.device import default_dtype, parse_dtype, pick_device
+    from minillm.engine.engine import LLMEngine
+    from minillm.engine.tokenizer import load_tokenizer
+    from minillm.model.loader import load_model
+
+    t_start = time.time()
+    check_writable(out_dir, figures_dir, Path(partial_path).parent if partial_path is not None else None)
+    dev = pick_device(device)
+    model = model or default_model_for(dev)
+    dt = parse_dtype(dtype) if dtype else default_dtype(dev)
+    batches = sorted(set(batches or DEFAULT_BATCHES))
+    context = context or (128 if dev.type == "cpu" else 512)
+    hw = describe_hardware(dev)
+    m = load_model(model, dev, dt, seed)
+    cfg, nbytes = m.config, dtype_bytes(dt)
+    tok = load_tokenizer(None)
+
+    if measure_ceilings:
+        rd_m = measure_read_bandwidth(dev, nbytes=read_bytes or copy_bytes)
+        cp_m = measure_copy_bandwidth(dev, nbytes=copy_bytes)
+        pk_m = measure_matmul_peak(dev, dt, n=matmul_n)
+        bw, peak = rd_m.value, pk_m.value            # decode reads its weights: the read bandwidth
+        ceil = {"bandwidth": bw, "bandwidth_kind": "read", "peak_flops": peak, "source": "measured",
+                "read_bandwidth": rd_m.value, "read_method": rd_m.method, "read_samples": rd_m.samples,
+                "copy_bandwidth": cp_m.value, "copy_method": cp_m.method, "copy_samples": cp_m.samples,
+                "bandwidth_samples": rd_m.samples, "peak_samples": pk_m.samples,
+                "spec_bandwidth": hw.spec_bandwidth, "spec_flops": (hw.spec_flops or {}).get(dtype_name(dt))}
+    else:
+        bw, peak = hw.spec_bandwidth, (hw.spec_flops or {}).get(dtype_name(dt))
+        if not bw or not peak:
+            raise ValueError("no spec ceilings are known for this hardware: measure them (drop --no-measure)")
+        ceil = {"bandwidth": bw, "peak_flops": peak, "source": "spec"}
+
+    results: list[BatchResult] = []
+    if partial_path is not None:               # this run's rows only
+        Path(partial_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(partial_path).write_text("")
+    it = batches
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+        bar = tqdm(batches, desc=f"roofline {model} {dtype_name(dt)}", unit="batch", file=sys.stderr)
+        it = bar
+    for b in it:
+        engine = None
+        try:
+            engine = LLMEngine(m, tok, max_batch_size=b, kv_memory_fraction=0.9, enforce_eager=not cuda_graphs,
+                               max_model_len=context + context // 2 + warmup + 3 * steps + 8)
+            r = measure_batch(engine, b, context, warmup, steps, cuda_graphs, served)
+            _fill_derived(r, cfg, nbytes, bw, peak)
+        except Exception as e:      # one batch failing must not end the sweep
+            if not _is_oom(e):
+                r = BatchResult(b, f"error: {type(e).__name__}: {e}", context)
+            else:
+                r = BatchResult(b, "oom", context)
+        finally:
+            del engine
+            if dev.type == "cuda":
+                try:
+                    torch.cuda.empty_cache()
+                except RuntimeError:          # a sticky CUDA error: the row already says why
+                    pass
+        results.append(r)
+        if partial_path is not None:
+            with open(partial_path, "a") as f:
+                f.write(json.dumps(_finite(asdict(r)), allow_nan=False) + "\n")
+        if bar is not None and r.status == "ok":
+            bar.set_postfix_str(f"B={b}: {r.aggregate_tok_s:.0f} tok/s")
+    ok = [r for r in results if r.status == "ok"]
+    fit = rf.knee_fit([r.batch for r in ok], [r.forward_ms_median for r in ok])
+    knee = fit.knee
+    return SweepResult(
+        model=str(model), dtype=dtype_name(dt), device=str(dev), hardware=_hw_dict(hw),
+        host=socket.gethostname(), torch_version=torch.__version__, python=platform.python_version(),
+        command=command or "minillm.bench.sweep.run_sweep(...)", context=context, warmup=warmup, steps=steps,
+        cuda_graphs=bool(cuda_graphs and dev.type == "cuda"), ceilings=ceil,
+        model_bytes=rf.weight_bytes(cfg, nbytes), config=cfg.to_dict(),
+        predicted_crossover=rf.crossover_batch(cfg, nbytes, bw, peak, 0),
+        predicted_crossover_kv=rf.crossover_batch(cfg, nbytes, bw, peak, context),
+        measured_knee=knee, batches=results,
+        started=time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t_start)),
+        duration_s=time.time() - t_start, knee_note=fit.reason)
+
+
+def _hw_dict(hw) -> dict:
+    d = asdict(hw)
+    d["summary"] = hw.summary()
+    return d
+
+
+# ---------------------------------------------------------------------------- reading a run
+
+def noisy_batches(result: dict, rel_spread: float = NOISY_SPREAD) -> dict[int, float]:
+    """``{batch: p90/p10}`` for the rows whose forward step times spread more than ``rel_spread``
+    (something else used the machine while they ran: :mod:`minillm.hardware.quiet`)."""
+    from minillm.hardware.quiet import noisy_rows
+    return noisy_rows({b["batch"]: b["forward_ms"] for b in result["batches"]
+                       if b["status"] == "ok" and b.get("forward_ms")}, rel_spread)
+
+
+def describe_run(result: dict, tol: float = 0.10) -> list[str]:
+    """What a sweep's data shows, in sentences built from its numbers (never typed in): how the
+    per-request speed moves with the batch, how the aggregate grows, what one more row costs
+    against the measured matmul peak, the knee (or why there is none) and B*."""
+    from minillm.model.config import ModelConfig
+    ok = sorted((b for b in result["batches"] if b["status"] == "ok"), key=lambda b: b["batch"])
+    if not ok:
+        return ["no batch was measured"]
+    b1, last = ok[0], ok[-1]
+    r1 = b1["per_request_tok_s"]
+    out = []
+    flat = b1
+    for b in ok[1:]:
+        if b["per_request_tok_s"] < (1 - tol) * r1:
+            break
+        flat = b
+    path = ", ".join(f"{b['per_request_tok_s']:.1f} at {b['batch']}" for b in ok)
+    if flat is last and len(ok) > 1:
+        out.append(f"Per-request tok/s stays within {100 * tol:.0f} % of batch {b1['batch']}'s {r1:.1f} up to "
+                   f"batch {last['batch']} ({last['per_request_tok_s']:.1f}): every row gets its token from the "
+                   f"same weight read.")
+    elif flat is not b1:
+        nxt = ok[ok.index(flat) + 1]
+        out.append(f"Per-request tok/s stays within {100 * tol:.0f} % of batch {b1['batch']}'s {r1:.1f} up to "
+                   f"batch {flat['batch']}, then falls: {nxt['per_request_tok_s']:.1f} at batch {nxt['batch']}, "
+                   f"{last['per_request_tok_s']:.1f} at batch {last['batch']} (×{last['per_request_tok_s'] / r1:.2f}).")
+    elif len(ok) > 1:
+        nxt = ok[1]
+        out.append(f"Per-request tok/s is not flat here: it falls from the first step up, "
+                   f"{r1:.1f} at batch {b1['batch']} → {nxt['per_request_tok_s']:.1f} at batch {nxt['batch']} "
+                   f"(×{nxt['per_request_tok_s'] / r1:.2f}) → {last['per_request_tok_s']:.1f} at batch "
+                   f"{last['batch']} (×{last['per_request_tok_s'] / r1:.2f}). All points: {path}.")
+    if len(ok) > 1:
+        g = last["aggregate_tok_s"] / b1["aggregate_tok_s"]
+        out.append(f"Aggregate tok/s: {b1['aggregate_tok_s']:.1f} at batch {b1['batch']} → "
+                   f"{last['aggregate_tok_s']:.1f} at batch {last['batch']}: ×{g:.1f} for "
+                   f"×{last['batch'] / b1['batch']:.0f} the requests.")
+        # what one more row costs, against what its arithmetic would cost at the measured peak
+        small = [b for b in ok[1:] if b["batch"] <= 4] or ok[1:2]
+        b_s = small[-1]
+        per_row_ms = (b_s["forward_ms_median"] - b1["forward_ms_median"]) / (b_s["batch"] - b1["batch"])
+        cfg = ModelConfig(**result["config"]) if result.get("config") else None
+        peak = result.get("ceilings", {}).get("peak_flops")
+        if cfg is not None and peak:
+            L = result["context"]
+            row_flops = (rf.decode_step_flops(cfg, b_s["batch"], L) - rf.decode_step_flops(cfg, b1["batch"], L)) \
+                / (b_s["batch"] - b1["batch"])
+            pred_ms = row_flops / peak * 1e3
+            if per_row_ms <= 0:
+                out.append(f"Between batch {b1['batch']} and {b_s['batch']} the step did not get longer "
+                           f"({b1['forward_ms_median']:.2f} → {b_s['forward_ms_median']:.2f} ms): the extra rows rode "
+                           f"on the same weight read.")
+            else:
+                ratio = per_row_ms / pred_ms
+                out.append(f"Each extra row between batch {b1['batch']} and {b_s['batch']} added {per_row_ms:.2f} ms "
+                           f"to a {b1['forward_ms_median']:.2f} ms step; its arithmetic at the measured matmul peak "
+                           f"would take {pred_ms:.3f} ms" + (
+                               f": the extra rows cost ×{ratio:.1f} what their arithmetic would. Matmuls with "
+                               f"a few rows run far below the peak (and the arithmetic overlaps the weight read "
+                               f"only in part), so the roofline's max(t_mem, t_compute) underestimates them."
+                               if ratio > 1.5 else ", as the roofline predicts."))
+    fit = rf.knee_fit([b["batch"] for b in ok], [b["forward_ms_median"] for b in ok])
+    out.append(f"Knee fit: {fit.reason}.")
+    bstar = result.get("predicted_crossover")
+    if bstar is not None:
+        where = "inside" if ok[0]["batch"] <= bstar <= last["batch"] else "outside"
+        out.append(f"Predicted crossover B* = {bstar:.1f} (from the measured ceilings), {where} the measured "
+                   f"batches {b1['batch']}–{last['batch']}.")
+    noisy = noisy_batches(result)
+    if noisy:
+        out.append("Noisy rows (marked on the figure): " + ", ".join(f"batch {b} ×{s:.1f}" for b, s in noisy.items())
+                   + ": rerun before reading them closely.")
+    return out

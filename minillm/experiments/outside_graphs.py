@@ -1,0 +1,171 @@
+"""CUDA graphs on and off (chapter 10.5): engine decode, eager against graph replay, on a GPU.
+
+At batch 1 a decode step of a small model is hundreds of small kernels, each launched by the
+host; when launching takes longer than running, the GPU waits and the step is overhead-bound.
+A CUDA graph (``minillm.engine.cuda_graphs``) records the forward once and replays it with one
+launch. ``EngineConfig.enforce_eager=True`` turns that off, so the same engine can be measured
+both ways.
+
+For each model × batch × mode this measures ``LLMEngine.step()`` on a running batch at a fixed
+context (the 10.3 sweep's set-up): tok/s = batch ÷ median step time, the share of the bandwidth
+bound (B·BW ÷ (W + B·L·k), with this machine's measured *read* bandwidth: decode reads its
+weights and cache, as in 10.3), and, from
+``profile_steps``, the device-busy share and the launches per step.
+
+It needs CUDA: on a CPU every operator runs as it is issued and there is nothing to capture. The
+notebook then shows what graphs would remove (the launches per step, from the profiler) and the
+numbers of a GPU reference run, when one exists; it never guesses a GPU speed-up.
+"""
+from __future__ import annotations
+
+import platform
+import socket
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+MODES = ("eager", "graphs")
+
+
+@dataclass
+class GraphsRow:
+    model: str
+    batch: int
+    mode: str                              # "eager" or "graphs"
+    context: int
+    status: str = "ok"                     # "ok", "oom", "error: ..."
+    step_ms: list[float] = field(default_factory=list)   # every engine step
+    step_ms_median: float | None = None
+    tok_s: float | None = None             # batch / median step
+    bound_tok_s: float | None = None       # B·BW / (W + B·L·k)
+    pct_of_bound: float | None = None
+    device_busy: float | None = None       # profile_steps
+    launches_per_step: float | None = None
+    kernels_per_step: float | None = None
+    cuda_graph: bool = False               # the steps really replayed graphs
+
+
+@dataclass
+class GraphsResult:
+    device: str
+    hardware: str
+    dtype: str
+    bandwidth: float                       # B/s used for the bound
+    bandwidth_source: str                  # "measured read", "given" (or "measured copy" in older results)
+    context: int
+    steps: int
+    warmup: int
+    rows: list[GraphsRow] = field(default_factory=list)
+    host: str = ""
+    started: str = ""
+    duration_s: float = 0.0
+    command: str = ""
+    versions: dict[str, str] = field(default_factory=dict)
+
+    def get(self, model: str, batch: int, mode: str) -> GraphsRow | None:
+        return next((r for r in self.rows if (r.model, r.batch, r.mode) == (model, batch, mode)), None)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> GraphsResult:
+        d = dict(d)
+        rows = [GraphsRow(**r) for r in d.pop("rows", [])]
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__}, rows=rows)
+
+    def table(self) -> str:
+        out = [f"engine decode, eager vs CUDA graphs — {self.hardware}, {self.dtype}, context {self.context}, "
+               f"bound at {self.bandwidth / 1e12:.2f} TB/s ({self.bandwidth_source})",
+               f"{'model':<14}{'batch':>6}{'mode':>8}{'step ms':>10}{'tok/s':>10}{'% bound':>9}{'busy':>7}"
+               f"{'launches':>10}{'kernels':>9}"]
+        for r in self.rows:
+            if r.status != "ok":
+                out.append(f"{r.model:<14}{r.batch:>6}{r.mode:>8}  {r.status}")
+                continue
+            def f(v, fmt):
+                return format(v, fmt) if v is not None else "-"
+            out.append(f"{r.model:<14}{r.batch:>6}{r.mode:>8}{r.step_ms_median:>10.3f}{r.tok_s:>10.1f}"
+                       f"{100 * r.pct_of_bound:>8.1f}%"
+                       f"{f(100 * r.device_busy if r.device_busy is not None else None, '.0f'):>6}%"
+                       f"{f(r.launches_per_step, '.0f'):>10}{f(r.kernels_per_step, '.0f'):>9}")
+        speed = []
+        for m in dict.fromkeys(r.model for r in self.rows):
+            for b in sorted({r.batch for r in self.rows if r.model == m}):
+                e, g = self.get(m, b, "eager"), self.get(m, b, "graphs")
+                if e and g and e.tok_s and g.tok_s:
+                    speed.append(f"{m} B={b}: {g.tok_s / e.tok_s:.2f}×")
+        if speed:
+            out.append("graphs ÷ eager tok/s: " + ", ".join(speed))
+        return "\n".join(out)
+
+
+@torch.inference_mode()
+def run_graphs_comparison(models: tuple[str, ...] | list[str] = ("tiny", "llama-3.1-8b"),
+                          batches: tuple[int, ...] | list[int] = (1, 8, 64), context: int = 512, steps: int = 30,
+                          warmup: int = 5, profile_n: int = 10, device: str | None = None, dtype: str | None = None,
+                          bandwidth: float | None = None, seed: int = 0, command: str = "",
+                          progress: bool = True, loaded: dict | None = None) -> GraphsResult:
+    """Engine decode eager vs graphs for every model × batch (module docstring). CUDA only.
+    ``loaded``: {preset: model already built on this device} (a twin of 8B takes a while to build)."""
+    from minillm.core.device import default_dtype, dtype_bytes, dtype_name, parse_dtype, pick_device
+    from minillm.engine.tokenizer import load_tokenizer
+    from minillm.experiments.outside_profile import profile_steps
+    from minillm.experiments.outside_steps import decode_engine, run_decode_steps
+    from minillm.hardware.machine import describe_hardware, measure_read_bandwidth
+    from minillm.model.loader import load_model
+    from minillm.perf import roofline as rf
+
+    dev = pick_device(device)
+    if dev.type != "cuda":
+        raise RuntimeError(f"CUDA graphs need a CUDA device, this is {dev}: on a CPU every operator runs as it "
+                           f"is issued, so there is nothing to capture (the notebook shows the launches per step "
+                           f"instead, and a GPU reference run when there is one)")
+    t_start = time.time()
+    dt = parse_dtype(dtype) if dtype else default_dtype(dev)
+    bw = bandwidth or measure_read_bandwidth(dev).value
+    tok = load_tokenizer(None)
+    rows: list[GraphsRow] = []
+    for name in models:
+        m = (loaded or {}).get(name)
+        m = m if m is not None else load_model(name, dev, dt, seed)
+        cfg, nb = m.config, dtype_bytes(m.dtype)
+        for B in batches:
+            for mode in MODES:
+                row = GraphsRow(name, B, mode, context)
+                engine = None
+                try:
+                    engine = decode_engine(m, tok, B, context, steps + profile_n, warmup,
+                                           enforce_eager=mode == "eager")
+                    recs = run_decode_steps(engine, steps, warmup)
+                    row.step_ms = [r.wall_ms for r in recs]
+                    row.step_ms_median = statistics.median(row.step_ms)
+                    row.cuda_graph = all(r.cuda_graph for r in recs)
+                    row.tok_s = B / (row.step_ms_median / 1e3)
+                    row.bound_tok_s = B * bw / rf.decode_step_bytes(cfg, nb, B, context)
+                    row.pct_of_bound = row.tok_s / row.bound_tok_s
+                    if profile_n:
+                        p = profile_steps(engine, profile_n, warmup=0, plain=False)
+                        row.device_busy, row.launches_per_step = p.device_busy, p.launches_per_step
+                        row.kernels_per_step = p.kernels_per_step
+                except Exception as e:            # one case failing must not end the run
+                    oom = isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+                    row.status = "oom" if oom else f"error: {type(e).__name__}: {e}"
+                finally:
+                    del engine
+                    torch.cuda.empty_cache()
+                rows.append(row)
+                if progress:
+                    print(f"  {name} B={B} {mode}: " + (f"{row.tok_s:.1f} tok/s" if row.status == "ok" else row.status),
+                          flush=True)
+        del m
+        torch.cuda.empty_cache()
+    return GraphsResult(device=str(dev), hardware=describe_hardware(dev).summary(), dtype=dtype_name(dt), bandwidth=bw,
+                        bandwidth_source="given" if bandwidth else "measured read", context=context, steps=steps,
+                        warmup=warmup, rows=rows, host=socket.gethostname(),
+                        started=time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t_start)),
+                        duration_s=time.time() - t_start, command=command or "run_graphs_comparison(...)",
+                        versions={"python": platform.python_version(), "torch": torch.__version__,
+                                  "cuda": str(torch.version.cuda)})
