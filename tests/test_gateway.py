@@ -8,20 +8,14 @@ import threading
 import pytest
 
 from minillm.core.trace import Trace
-from minillm.serving import gateway as gw
-from minillm.serving.gateway import (
-    AdmissionControl,
-    APIKeyAuth,
-    Gateway,
-    GatewayError,
-    RateLimiter,
-    TokenBucket,
-    check_context,
-    check_model,
-    default_max_tokens,
-    keys_from_env_and_args,
-    parse_completion_body,
-)
+from minillm.serving import auth as auth_module
+from minillm.serving import validation
+from minillm.serving.admission import AdmissionControl
+from minillm.serving.auth import APIKeyAuth, keys_from_env_and_args
+from minillm.serving.errors import GatewayError
+from minillm.serving.gateway import Gateway
+from minillm.serving.rate_limit import RateLimiter, TokenBucket
+from minillm.serving.validation import check_context, check_model, default_max_tokens, parse_completion_body
 
 KEY = "sk-test-Very-Secret-0123456789"
 OTHER = "sk-other-Also-Secret-9876543210"
@@ -111,7 +105,7 @@ def test_auth_compares_every_key_in_constant_time(monkeypatch):
         calls.append((len(a), len(b)))
         return real(a, b)
 
-    monkeypatch.setattr(gw.hmac, "compare_digest", counting)
+    monkeypatch.setattr(auth_module.hmac, "compare_digest", counting)
     auth = APIKeyAuth([KEY, OTHER, "sk-third-key"])
     assert auth.check(f"Bearer {KEY}") == "key-1"                     # the first key matches...
     assert len(calls) == 3                                            # ...and all three are compared
@@ -537,7 +531,7 @@ def test_unsupported_fields_are_refused_by_name_unless_neutral(field, value):
     g = make_gateway()
     raises(lambda: g.admit(f"Bearer {KEY}", {"prompt": "a", field: value}, chat=False), 400, "invalid_request",
            param=field, match="not supported")
-    neutral = gw._UNSUPPORTED_UNLESS_NEUTRAL[field]
+    neutral = validation.UNSUPPORTED_UNLESS_NEUTRAL[field]
     if neutral:
         g.admit(f"Bearer {KEY}", {"prompt": "a", field: neutral[0]}, chat=False)   # the neutral value is fine
 

@@ -29,7 +29,8 @@ from minillm.core.step_record import PHASES
 from minillm.core.trace import Trace, now_ns
 from minillm.serving.config import ServerConfig
 from minillm.serving.engine_loop import Closed
-from minillm.serving.gateway import AdmittedRequest, GatewayError
+from minillm.serving.errors import GatewayError
+from minillm.serving.gateway import AdmittedRequest
 from minillm.serving.protocol import (
     ChatCompletionBody,
     CompletionBody,

@@ -9,7 +9,7 @@ from typing import Any
 
 from minillm.core.device import default_server_threads
 from minillm.engine.config import EngineConfig
-from minillm.serving.gateway import keys_from_env_and_args
+from minillm.serving.auth import keys_from_env_and_args
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 1 << 20       # 1 MiB: far more than any prompt our contexts can hold

@@ -10,7 +10,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from minillm.serving.gateway import GatewayError
+from minillm.serving.errors import GatewayError
 
 log = logging.getLogger(__name__)
 

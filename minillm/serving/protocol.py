@@ -1,7 +1,7 @@
 """The request bodies of the API, declared as Pydantic models: they are the OpenAPI schema that
 ``/docs`` shows and that the fuzzing test (schemathesis) generates requests from.
 
-Validation itself stays in the gateway (``minillm.serving.gateway.parse_completion_body``): it
+Validation itself stays in the gateway (``minillm.serving.validation.parse_completion_body``): it
 names the offending field in an OpenAI-style 400, checks sampling values with the engine's own
 rules, and runs after authentication, so a stranger learns nothing about a body. A test keeps
 the two in step: every field declared here is one the gateway reads or refuses by name.

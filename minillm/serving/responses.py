@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from minillm.core.trace import Trace
 from minillm.serving.engine_loop import Closed, Stream
-from minillm.serving.gateway import AdmittedRequest, GatewayError
+from minillm.serving.errors import GatewayError
+from minillm.serving.gateway import AdmittedRequest
 
 if TYPE_CHECKING:
     from minillm.serving.state import ServingState

@@ -8,18 +8,16 @@ import threading
 import time
 
 from minillm.core.trace import Trace
+from minillm.serving.admission import AdmissionControl
+from minillm.serving.auth import APIKeyAuth
 from minillm.serving.config import ServerConfig
 from minillm.serving.engine_loop import EngineLoop
-from minillm.serving.gateway import (
-    AdmissionControl,
-    APIKeyAuth,
-    CompletionRequest,
-    Gateway,
-    GatewayError,
-    RateLimiter,
-)
+from minillm.serving.errors import GatewayError, invalid
+from minillm.serving.gateway import Gateway
 from minillm.serving.prom import ServingMetrics
+from minillm.serving.rate_limit import RateLimiter
 from minillm.serving.trace_store import ADMIN, TraceStore
+from minillm.serving.validation import CompletionRequest, check_model, parse_messages, undecodable_text
 
 log = logging.getLogger(__name__)
 _STEP_COPY_TRIES = 5           # lock-free copies of the step history before taking the engine's lock
@@ -109,34 +107,31 @@ class ServingState:
     # -- tokenizer endpoints -----------------------------------------------------------------
     def tokenize_body(self, body: dict) -> dict:
         from minillm.engine.tokenizer import apply_chat, encode_prompt
-        from minillm.serving.gateway import _invalid, _parse_messages, _undecodable_text
-        bad = _undecodable_text(body)
+        bad = undecodable_text(body)
         if bad is not None:
-            raise _invalid(bad, f"'{bad}' holds text that is not valid Unicode.")
+            raise invalid(bad, f"'{bad}' holds text that is not valid Unicode.")
         if body.get("messages") is not None:
-            text = apply_chat(self.tokenizer, _parse_messages(body))
+            text = apply_chat(self.tokenizer, parse_messages(body))
         elif isinstance(body.get("prompt"), str):
             text = body["prompt"]
         else:
-            raise _invalid("prompt", "Give 'prompt' (a string) or 'messages'.")
+            raise invalid("prompt", "Give 'prompt' (a string) or 'messages'.")
         if body.get("model") is not None and body["model"] != self.model_name:
-            from minillm.serving.gateway import check_model
             check_model(body["model"] if isinstance(body["model"], str) else repr(body["model"]), [self.model_name])
         add = body.get("add_special_tokens", True)
         if not isinstance(add, bool):
-            raise _invalid("add_special_tokens", "'add_special_tokens' must be a boolean.")
+            raise invalid("add_special_tokens", "'add_special_tokens' must be a boolean.")
         ids = encode_prompt(self.tokenizer, text) if add else list(self.tokenizer.encode(text, add_special_tokens=False))
         return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
 
     def detokenize_body(self, body: dict) -> dict:
-        from minillm.serving.gateway import _invalid
         ids = body.get("tokens")
         vocab = self.engine.config.vocab_size
         if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-            raise _invalid("tokens", "'tokens' must be a list of token ids (integers).")
+            raise invalid("tokens", "'tokens' must be a list of token ids (integers).")
         bad = [i for i in ids if not 0 <= i < vocab]
         if bad:
-            raise _invalid("tokens", f"token ids {bad[:5]} are outside the vocabulary [0, {vocab}).")
+            raise invalid("tokens", f"token ids {bad[:5]} are outside the vocabulary [0, {vocab}).")
         known = len(self.tokenizer)
         # ids the tokenizer does not know (a shape twin's 128k vocabulary) show as <unk:ID>
         parts, run = [], []

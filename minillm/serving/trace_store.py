@@ -19,7 +19,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from minillm.core.trace import Trace
-from minillm.serving.gateway import ADMIN
+from minillm.serving.auth import ADMIN
 
 
 def trace_bytes(trace: Trace) -> int:

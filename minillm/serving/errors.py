@@ -1,0 +1,59 @@
+"""The gateway's one error type: an HTTP status, an OpenAI-style code and a message that names the
+limit that was hit, so a client can tell "fix your request" (4xx) from "come back later" (429/503
+with ``Retry-After``)."""
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------------------------
+
+def _default_error_type(status: int) -> str:
+    # The "type" field of OpenAI's error JSON. 429 and 5xx get their own types so that a client
+    # can decide to retry from the body alone; every other 4xx means "the request is wrong".
+    if status == 429:
+        return "rate_limit_error"
+    if status >= 500:
+        return "server_error"
+    return "invalid_request_error"
+
+
+class GatewayError(Exception):
+    """A request turned away by the gateway.
+
+    ``status`` is the HTTP status, ``code`` a stable machine-readable reason (``invalid_api_key``,
+    ``rate_limited``, ``queue_full``, ``invalid_request``, ``context_length_exceeded``,
+    ``model_not_found``, ``request_too_large``), ``param`` the offending request field if any,
+    and ``headers`` extra response headers (``Retry-After`` for 429/503).
+    """
+
+    def __init__(self, status: int, code: str, message: str, *, param: str | None = None,
+                 headers: Mapping[str, str] | None = None, type: str | None = None) -> None:
+        message = message if len(message) <= 500 else message[:497] + "..."   # never echo a huge value back
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.param = param
+        self.headers: dict[str, str] = dict(headers or {})
+        self.type = type or _default_error_type(status)
+
+    def to_openai_error(self) -> dict[str, Any]:
+        """The JSON body OpenAI-compatible clients expect."""
+        return {"error": {"message": self.message, "type": self.type,
+                          "param": self.param, "code": self.code}}
+
+    def __repr__(self) -> str:
+        return f"GatewayError(status={self.status}, code={self.code!r}, message={self.message!r})"
+
+
+def invalid(param: str | None, message: str) -> GatewayError:
+    return GatewayError(400, "invalid_request", message, param=param)
+
+
+def retry_after(seconds: float) -> dict[str, str]:
+    # Retry-After is an integer number of seconds (RFC 9110). Round *up*, and never say 0:
+    # a client told "retry in 0 s" would hammer us in a tight loop.
+    return {"Retry-After": str(max(1, math.ceil(seconds)))}
