@@ -15,8 +15,10 @@ matplotlib.use("Agg")
 import minillm.perf.roofline as rf
 from minillm import LLM
 from minillm.experiments import prefill_decode as pd
+from minillm.experiments import stall
 from minillm.loadgen.workload import token_gaps
 from minillm.model.config import PRESETS, ModelConfig
+from minillm.perf import prefill as pf
 from minillm.plots import prefill_decode as pp
 
 # vocab 10, hidden 4, intermediate 6, 2 layers, 2 heads, 1 kv head, head_dim 2, untied
@@ -27,35 +29,35 @@ TOY = ModelConfig(name="toy", vocab_size=10, hidden_size=4, intermediate_size=6,
 # ----------------------------------------------------------------------------- formulas by hand
 def test_toy_sizes_by_hand():
     # per layer: q 4·4 + k,v 2·4·2 + o 4·4 = 48, MLP 3·4·6 = 72 → 120; ×2 layers + LM head 10·4
-    assert TOY.matmul_params == 280 and pd.lm_head_params(TOY) == 40
+    assert TOY.matmul_params == 280 and pf.lm_head_params(TOY) == 40
     assert TOY.num_params == 280 + 20 + 40          # + norms (2·2·4 + 4) + input embedding
     assert TOY.kv_bytes_per_token(2) == 16          # 2 · 2 layers · 1 · 2 · 2 bytes
 
 
 def test_prefill_flops_by_hand():
     # T=3 from 0: 2·240·3 (body) + 2·40·1 (LM head, one row) + 4·2·2·2·(1+2+3) (causal attention)
-    assert pd.attention_pairs(3) == 6
-    assert pd.prefill_flops(TOY, 3) == 1440 + 80 + 192 == 1712
+    assert pf.attention_pairs(3) == 6
+    assert pf.prefill_flops(TOY, 3) == 1440 + 80 + 192 == 1712
     # a later chunk of 2 after 5 cached: pairs 2·5 + 3 = 13; a middle chunk samples nothing
-    assert pd.attention_pairs(2, 5) == 13
-    assert pd.prefill_flops(TOY, 2, start=5, sampled_rows=0) == 2 * 240 * 2 + 32 * 13 == 1376
+    assert pf.attention_pairs(2, 5) == 13
+    assert pf.prefill_flops(TOY, 2, start=5, sampled_rows=0) == 2 * 240 * 2 + 32 * 13 == 1376
 
 
 def test_prefill_bytes_by_hand():
     # W(3) = (340 − 40 embedding + 3 gathered rows · 4) · 2 bytes = 624; + 3·16 written + 3·16 read
     assert rf.weight_bytes_per_step(TOY, 2, 3) == 624
-    assert pd.prefill_bytes(TOY, 2, 3) == 624 + 48 + 48 == 720
-    assert pd.prefill_bytes(TOY, 2, 2, start=5) == (300 + 8) * 2 + 2 * 16 + 7 * 16 == 760
-    assert pd.prefill_intensity(TOY, 2, 3) == pytest.approx(1712 / 720)
+    assert pf.prefill_bytes(TOY, 2, 3) == 624 + 48 + 48 == 720
+    assert pf.prefill_bytes(TOY, 2, 2, start=5) == (300 + 8) * 2 + 2 * 16 + 7 * 16 == 760
+    assert pf.prefill_intensity(TOY, 2, 3) == pytest.approx(1712 / 720)
 
 
 @pytest.mark.parametrize("name", ["tiny", "cpu-small", "llama-3.1-8b"])
 @pytest.mark.parametrize("L", [1, 128, 4096])
 def test_one_prefill_token_is_a_decode_step(name, L):
     cfg = PRESETS[name]
-    assert pd.prefill_flops(cfg, 1, start=L - 1) == rf.decode_step_flops(cfg, 1, L)
+    assert pf.prefill_flops(cfg, 1, start=L - 1) == rf.decode_step_flops(cfg, 1, L)
     # the decode formula leaves out the one K/V the step writes
-    assert pd.prefill_bytes(cfg, 2, 1, start=L - 1) == rf.decode_step_bytes(cfg, 2, 1, L) + cfg.kv_bytes_per_token(2)
+    assert pf.prefill_bytes(cfg, 2, 1, start=L - 1) == rf.decode_step_bytes(cfg, 2, 1, L) + cfg.kv_bytes_per_token(2)
 
 
 def test_llama_8b_prefill_by_hand():
@@ -63,59 +65,59 @@ def test_llama_8b_prefill_by_hand():
     T = 4096
     body = cfg.matmul_params - 128256 * 4096
     attention = 4 * 32 * 32 * 128 * (T * (T + 1) // 2)        # ≈ 2·T²·layers·heads·head_dim
-    assert pd.prefill_flops(cfg, T) == 2 * body * T + 2 * 128256 * 4096 + attention
+    assert pf.prefill_flops(cfg, T) == 2 * body * T + 2 * 128256 * 4096 + attention
     assert attention == pytest.approx(2 * T * T * 32 * 32 * 128, rel=1e-3)
-    assert pd.prefill_bytes(cfg, 2, T) == rf.weight_bytes_per_step(cfg, 2, T) + 2 * T * 131072
+    assert pf.prefill_bytes(cfg, 2, T) == rf.weight_bytes_per_step(cfg, 2, T) + 2 * T * 131072
 
 
 def test_chunking_keeps_flops_and_adds_weight_and_kv_reads():
     cfg = PRESETS["cpu-small"]
-    chunks = pd.chunk_sizes(2048, 256, 8)
+    chunks = pf.chunk_sizes(2048, 256, 8)
     assert chunks == [248] * 8 + [64] and sum(chunks) == 2048
-    assert pd.chunk_sizes(100, 60) == [60, 40] and pd.chunk_sizes(120, 60) == [60, 60]
+    assert pf.chunk_sizes(100, 60) == [60, 40] and pf.chunk_sizes(120, 60) == [60, 60]
     with pytest.raises(ValueError):
-        pd.chunk_sizes(100, 8, 8)
-    assert pd.chunked_prefill_flops(cfg, chunks) == pd.prefill_flops(cfg, 2048)
+        pf.chunk_sizes(100, 8, 8)
+    assert pf.chunked_prefill_flops(cfg, chunks) == pf.prefill_flops(cfg, 2048)
     starts = [sum(chunks[:i]) for i in range(len(chunks))]
     extra = (len(chunks) - 1) * rf.weight_bytes_per_step(cfg, 4, 0) + sum(starts) * cfg.kv_bytes_per_token(4)
-    assert pd.chunked_prefill_bytes(cfg, 4, chunks) == pd.prefill_bytes(cfg, 4, 2048) + extra
+    assert pf.chunked_prefill_bytes(cfg, 4, chunks) == pf.prefill_bytes(cfg, 4, 2048) + extra
 
 
 def test_ridge_length_is_where_intensity_crosses_the_ridge():
     cfg = PRESETS["llama-3.1-8b"]
     ridge = rf.ridge_point(989.5e12, 4.8e12)                   # H200 SXM spec: ≈ 206 FLOP/byte
-    T = pd.prefill_ridge_length(cfg, 2, ridge)
-    assert pd.prefill_intensity(cfg, 2, T) >= ridge > pd.prefill_intensity(cfg, 2, T - 1)
+    T = pf.prefill_ridge_length(cfg, 2, ridge)
+    assert pf.prefill_intensity(cfg, 2, T) >= ridge > pf.prefill_intensity(cfg, 2, T - 1)
     assert 150 < T < 260                                       # bf16: T ≈ I* (W ≈ 2·P bytes)
-    assert pd.prefill_ridge_length(cfg, 2, 1e9, max_tokens=1024) is None
+    assert pf.prefill_ridge_length(cfg, 2, 1e9, max_tokens=1024) is None
 
 
 def test_kv_transfer_of_the_8b_twin():
     cfg = PRESETS["llama-3.1-8b"]
-    assert pd.kv_transfer_bytes(cfg, 2, 4096) == 4096 * 128 * 1024          # 128 KiB per token → 512 MiB
-    pcie5 = pd.LINKS["PCIe 5.0 x16"].bandwidth
+    assert pf.kv_transfer_bytes(cfg, 2, 4096) == 4096 * 128 * 1024          # 128 KiB per token → 512 MiB
+    pcie5 = pf.LINKS["PCIe 5.0 x16"].bandwidth
     assert pcie5 == pytest.approx(63.0e9, rel=0.01)
-    assert pd.kv_transfer_s(cfg, 2, 4096, pcie5) == pytest.approx(4096 * 131072 / pcie5)
-    assert pd.LINKS["NVLink 4 (H100/H200 SXM)"].bandwidth == 450e9
-    assert all(link.source for link in pd.LINKS.values())
+    assert pf.kv_transfer_s(cfg, 2, 4096, pcie5) == pytest.approx(4096 * 131072 / pcie5)
+    assert pf.LINKS["NVLink 4 (H100/H200 SXM)"].bandwidth == 450e9
+    assert all(link.source for link in pf.LINKS.values())
 
 
 def test_gaps_by_steps_by_hand():
-    gaps = pd.gaps_by_steps({"a": [1, 2, 4, 5], "b": [1, 3, 4]}, chunk_steps=[3])
+    gaps = stall.gaps_by_steps({"a": [1, 2, 4, 5], "b": [1, 3, 4]}, chunk_steps=[3])
     assert [(g.request_id, g.index, g.step_from, g.step_to, g.chunk_steps, g.whole_prefill) for g in gaps] == [
         ("a", 1, 1, 2, (), False), ("a", 2, 2, 4, (3,), True), ("a", 3, 4, 5, (), False),
         ("b", 1, 1, 3, (3,), True), ("b", 2, 3, 4, (), False)]       # b's token came out of step 3 itself
-    two = pd.gaps_by_steps({"a": [1, 2, 3, 4]}, chunk_steps=[2, 3])
+    two = stall.gaps_by_steps({"a": [1, 2, 3, 4]}, chunk_steps=[2, 3])
     assert not any(g.whole_prefill for g in two) and [g.chunk_steps for g in two] == [(2,), (3,), ()]
-    assert not any(g.whole_prefill for g in pd.gaps_by_steps({"a": [1, 2]}, []))
+    assert not any(g.whole_prefill for g in stall.gaps_by_steps({"a": [1, 2]}, []))
 
 
 def test_slo_crossing_and_best_budget():
     budgets, p99 = [64, 128, 256, 512], [10.0, 20.0, 40.0, 80.0]
-    assert pd.slo_crossing(budgets, p99, 30.0) == pytest.approx(2 ** 7.5)    # halfway on log2
-    assert pd.slo_crossing(budgets, p99, 5.0) is None and pd.slo_crossing(budgets, p99, 100.0) is None
+    assert stall.slo_crossing(budgets, p99, 30.0) == pytest.approx(2 ** 7.5)    # halfway on log2
+    assert stall.slo_crossing(budgets, p99, 5.0) is None and stall.slo_crossing(budgets, p99, 100.0) is None
     runs = [{"budget": b, "itl_p99_ms": v} for b, v in zip(budgets, p99)]
-    assert pd.largest_budget_within(runs, 30.0) == 128 and pd.largest_budget_within(runs, 1.0) is None
+    assert stall.largest_budget_within(runs, 30.0) == 128 and stall.largest_budget_within(runs, 1.0) is None
 
 
 def test_busy_warnings_on_hand_made_rows():
@@ -159,7 +161,7 @@ def test_rows_are_well_formed_with_consistent_units(result, llm):
         assert r.served_ms_median > 0
     for r in result.prefill:
         assert (r.batch, r.context) == (1, r.tokens)
-        assert r.flops == pd.prefill_flops(cfg, r.tokens) and r.bytes == pd.prefill_bytes(cfg, 4, r.tokens)
+        assert r.flops == pf.prefill_flops(cfg, r.tokens) and r.bytes == pf.prefill_bytes(cfg, 4, r.tokens)
         assert r.ttft_ms_median >= r.served_ms_median       # TTFT holds the prefill
     for r in result.decode:
         assert (r.tokens, r.context) == (r.batch, 32)
@@ -191,17 +193,17 @@ def test_a_prompt_longer_than_the_context_is_an_error_row(llm):
 
 
 # ----------------------------------------------------------------------------- the stall, by steps
-SETUP = pd.stall_setup(n_short=3, long_prompt_len=512, min_budget=64, arrive_after_tokens=4, tail=4)
+SETUP = stall.stall_setup(n_short=3, long_prompt_len=512, min_budget=64, arrive_after_tokens=4, tail=4)
 
 
 @pytest.fixture(scope="module")
 def first(llm):
-    return pd.run_stall(llm, "prefill-first", 1024, SETUP)
+    return stall.run_stall(llm, "prefill-first", 1024, SETUP)
 
 
 @pytest.fixture(scope="module")
 def chunked(llm):
-    return pd.run_stall(llm, "chunked", 64, SETUP)
+    return stall.run_stall(llm, "chunked", 64, SETUP)
 
 
 def _records(llm, run):
@@ -227,8 +229,8 @@ def test_prefill_first_has_exactly_one_gap_per_decoder_holding_the_prefill(llm, 
 
 def test_chunked_small_budget_no_gap_holds_the_whole_prefill(llm, chunked):
     recs = _records(llm, chunked)
-    assert len(chunked.chunks) == len(pd.chunk_sizes(512, 64, 3)) > 1
-    assert [c["tokens"] for c in chunked.chunks] == pd.chunk_sizes(512, 64, 3)
+    assert len(chunked.chunks) == len(pf.chunk_sizes(512, 64, 3)) > 1
+    assert [c["tokens"] for c in chunked.chunks] == pf.chunk_sizes(512, 64, 3)
     for c in chunked.chunks:     # every chunk shared its step with all the decoders (stall_setup's promise)
         assert recs[c["step"]].num_decode_rows == 3 == c["decode_rows"]
         assert recs[c["step"]].num_prefill_tokens == c["tokens"]
@@ -268,9 +270,9 @@ def test_run_stall_restores_the_scheduler(llm, first, chunked):
 
 
 def test_tradeoff_table_and_figures(llm, result, first, chunked, tmp_path):
-    tr = pd.Tradeoff(SETUP, first, [chunked])
+    tr = stall.Tradeoff(SETUP, first, [chunked])
     assert "prefill-first" in tr.table() and "chunked" in tr.table()
-    assert isinstance(pd.stall_warnings([first, chunked]), list)
+    assert isinstance(stall.stall_warnings([first, chunked]), list)
     p1 = pp.save_roofline_prefill_decode(result.to_dict(), [{"roofline": result.to_dict()}], out_dir=tmp_path)
     p2 = pp.save_stall_rasters([first.to_dict(), chunked.to_dict()], "stamp", 12.0, out_dir=tmp_path)
     p3 = pp.save_chunk_tradeoff(tr.to_dict(), "stamp", slo_ms=chunked.itl_p99_ms * 1.5, out_dir=tmp_path)

@@ -59,11 +59,11 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
 import minillm.perf.roofline as rf
 from minillm.core.device import cpu_cores, dtype_bytes, dtype_name
+from minillm.experiments.stall import chunk_tradeoff, stall_setup
 from minillm.hardware.machine import (
     describe_hardware,
     measure_copy_bandwidth,
@@ -71,127 +71,10 @@ from minillm.hardware.machine import (
     measure_read_bandwidth,
 )
 from minillm.hardware.quiet import NOISY_SPREAD as _NOISY_SPREAD
-from minillm.model.config import ModelConfig
+from minillm.hardware.quiet import median_p10_p90
+from minillm.perf.prefill import bandwidth_words, prefill_bytes, prefill_flops
 
 NOISY_SPREAD = _NOISY_SPREAD   # p90 / p10 of a row's repeats above which it is flagged (busy.py)
-
-# ----------------------------------------------------------------------------- formulas
-
-def lm_head_params(cfg: ModelConfig) -> int:
-    return cfg.vocab_size * cfg.hidden_size
-
-
-def attention_pairs(tokens: int, start: int = 0) -> int:
-    """(query, key) pairs of causal attention for ``tokens`` new queries after ``start`` cached
-    positions: query i (0-based) sees ``start + i + 1`` keys."""
-    return tokens * start + tokens * (tokens + 1) // 2
-
-
-def prefill_flops(cfg: ModelConfig, tokens: int, start: int = 0, sampled_rows: int = 1) -> int:
-    """FLOPs of one prefill chunk (see the module docstring). ``sampled_rows``: rows that go
-    through the LM head (1 for a prompt's last chunk, 0 for the chunks before it)."""
-    if tokens < 1 or start < 0:
-        raise ValueError(f"a prefill chunk needs tokens ≥ 1 and start ≥ 0, got {tokens}, {start}")
-    body = cfg.matmul_params - lm_head_params(cfg)
-    attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * attention_pairs(tokens, start)
-    return 2 * body * tokens + 2 * lm_head_params(cfg) * sampled_rows + attention
-
-
-def prefill_bytes(cfg: ModelConfig, dtype_bytes_: int, tokens: int, start: int = 0) -> int:
-    """Bytes one prefill chunk moves at least: W(n) + n·k written + (start + n)·k read."""
-    if tokens < 1 or start < 0:
-        raise ValueError(f"a prefill chunk needs tokens ≥ 1 and start ≥ 0, got {tokens}, {start}")
-    k = cfg.kv_bytes_per_token(dtype_bytes_)
-    return rf.weight_bytes_per_step(cfg, dtype_bytes_, tokens) + tokens * k + (start + tokens) * k
-
-
-def prefill_intensity(cfg: ModelConfig, dtype_bytes_: int, tokens: int, start: int = 0) -> float:
-    return rf.arithmetic_intensity(prefill_flops(cfg, tokens, start), prefill_bytes(cfg, dtype_bytes_, tokens, start))
-
-
-def prefill_ridge_length(cfg: ModelConfig, dtype_bytes_: int, ridge: float, max_tokens: int = 1 << 20) -> int | None:
-    """The shortest prompt whose prefill intensity reaches the ridge point I* (the formula's
-    answer to "when does prefill become compute-bound?"). None if not within max_tokens."""
-    if prefill_intensity(cfg, dtype_bytes_, max_tokens) < ridge:
-        return None
-    lo, hi = 1, max_tokens                       # intensity grows with T: bisect
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if prefill_intensity(cfg, dtype_bytes_, mid) >= ridge:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
-
-
-def chunk_sizes(tokens: int, budget: int, decode_rows: int = 0) -> list[int]:
-    """How the chunked policy splits a prompt of ``tokens`` when ``decode_rows`` decodes take one
-    token each of a ``budget``-token step first (as long as they all keep decoding)."""
-    per = budget - decode_rows
-    if per < 1:
-        raise ValueError(f"a budget of {budget} leaves no room for prefill next to {decode_rows} decodes")
-    return [per] * (tokens // per) + ([tokens % per] if tokens % per else [])
-
-
-def chunked_prefill_flops(cfg: ModelConfig, chunks: Sequence[int]) -> int:
-    start, total = 0, 0
-    for i, n in enumerate(chunks):
-        total += prefill_flops(cfg, n, start, sampled_rows=int(i == len(chunks) - 1))
-        start += n
-    return total
-
-
-def chunked_prefill_bytes(cfg: ModelConfig, dtype_bytes_: int, chunks: Sequence[int]) -> int:
-    """Bytes of a prompt prefilled chunk by chunk, counted for the prompt alone: every chunk reads
-    W again and the K/V of the prompt so far. (When decodes share the step, they share that
-    weight read: this is the prompt's own traffic, not the step's.)"""
-    start, total = 0, 0
-    for n in chunks:
-        total += prefill_bytes(cfg, dtype_bytes_, n, start)
-        start += n
-    return total
-
-
-# ----------------------------------------------------------------------------- links (PD disaggregation)
-
-@dataclass(frozen=True)
-class Link:
-    name: str
-    bandwidth: float            # bytes/s, one direction, spec (not measured)
-    source: str
-
-
-G = 1e9
-LINKS: dict[str, Link] = {
-    # PCI-SIG PCIe 4.0 / 5.0 base specifications: 16 / 32 GT/s per lane, 128b/130b encoding, x16 link
-    "PCIe 4.0 x16": Link("PCIe 4.0 x16", 16e9 * 16 * 128 / 130 / 8, "PCI-SIG PCIe 4.0: 16 GT/s/lane, x16, 128b/130b"),
-    "PCIe 5.0 x16": Link("PCIe 5.0 x16", 32e9 * 16 * 128 / 130 / 8, "PCI-SIG PCIe 5.0: 32 GT/s/lane, x16, 128b/130b"),
-    # NVIDIA H100 / H200 datasheets: "NVLink: 900 GB/s" (both directions together) for the SXM boards
-    "NVLink 4 (H100/H200 SXM)": Link("NVLink 4 (H100/H200 SXM)", 450 * G,
-                                     "NVIDIA H100/H200 datasheet: 900 GB/s bidirectional per GPU"),
-    # NVIDIA ConnectX-7 / Quantum-2: InfiniBand NDR, 400 Gb/s per port
-    "InfiniBand NDR 400G": Link("InfiniBand NDR 400G", 400e9 / 8, "NVIDIA ConnectX-7: 400 Gb/s per port"),
-}
-
-
-def kv_transfer_bytes(cfg: ModelConfig, dtype_bytes_: int, tokens: int) -> int:
-    """The KV cache a prefill leaves behind: tokens × k (what PD disaggregation must move)."""
-    return tokens * cfg.kv_bytes_per_token(dtype_bytes_)
-
-
-def bandwidth_words(c: dict) -> str:
-    """The ceilings' bandwidth in words: read (the bound) and copy beside it, or an older file's copy."""
-    if c.get("bandwidth_kind") == "read":
-        out = f"read {c['bandwidth'] / 1e9:.1f} GB/s (the bound)"
-        if c.get("copy_bandwidth"):
-            out += f", copy {c['copy_bandwidth'] / 1e9:.1f} GB/s (read + write)"
-        return out
-    return f"copy {c['bandwidth'] / 1e9:.1f} GB/s (read + write)"
-
-
-def kv_transfer_s(cfg: ModelConfig, dtype_bytes_: int, tokens: int, link_bandwidth: float) -> float:
-    return kv_transfer_bytes(cfg, dtype_bytes_, tokens) / link_bandwidth
-
 
 # ----------------------------------------------------------------------------- rows and results
 
@@ -232,15 +115,8 @@ class RooflineRow:
         return bool(self.ok and self.time_ms_p10 and self.time_ms_p90 / self.time_ms_p10 > NOISY_SPREAD)
 
 
-def _quantiles(xs: list[float]) -> tuple[float, float, float]:
-    if len(xs) == 1:
-        return xs[0], xs[0], xs[0]
-    q = statistics.quantiles(xs, n=10, method="inclusive")
-    return statistics.median(xs), q[0], q[-1]
-
-
 def _fill(row: RooflineRow, flops: int, bytes_: int, bw: float, peak: float) -> RooflineRow:
-    row.time_ms_median, row.time_ms_p10, row.time_ms_p90 = _quantiles(row.time_ms)
+    row.time_ms_median, row.time_ms_p10, row.time_ms_p90 = median_p10_p90(row.time_ms)
     t = row.time_ms_median / 1e3
     row.ms_per_token = row.time_ms_median / row.tokens
     row.tok_s = row.tokens / t
@@ -340,7 +216,7 @@ def busy_warnings(result: PrefillDecodeResult | dict) -> list[str]:
                       ("peak_samples", "matmul peak")):
         xs = d.get("ceilings", {}).get(key) or []
         if len(xs) >= 3:
-            _, p10, p90 = _quantiles(list(xs))
+            _, p10, p90 = median_p10_p90(list(xs))
             if p90 / p10 > NOISY_SPREAD:
                 out.append(f"the {what} samples spread ×{p90 / p10:.1f} (p90/p10): the ceilings themselves are noisy")
     load, cores = d.get("load", {}).get("before"), d.get("load", {}).get("cores")
@@ -556,247 +432,6 @@ def roof_reached_at(result: PrefillDecodeResult | dict, fraction: float = 0.8) -
         return None
     best = max(r["achieved_flops"] for r in pre)
     return next(r["tokens"] for r in pre if r["achieved_flops"] >= fraction * best)
-
-
-# ----------------------------------------------------------------------------- the stall, step by step
-
-@dataclass(frozen=True)
-class StepGap:
-    """One inter-token gap of one request, in engine steps: token ``index - 1`` came out of step
-    ``step_from``, token ``index`` out of ``step_to``. The gap spans steps step_from + 1 … step_to
-    (the token of step_to appears only when that step's whole forward is done)."""
-    request_id: str
-    index: int
-    step_from: int
-    step_to: int
-    chunk_steps: tuple[int, ...]       # steps of the long prefill's chunks inside this gap
-    whole_prefill: bool                # every chunk of the long prefill is inside
-
-
-def gaps_by_steps(token_steps: dict[str, list[int]], chunk_steps: Sequence[int]) -> list[StepGap]:
-    """Every gap of every request in ``token_steps`` (request → the step of each of its tokens),
-    with the long prefill's chunk steps that fall inside it. Pure bookkeeping, no clocks."""
-    chunks = sorted(chunk_steps)
-    out = []
-    for rid, steps in token_steps.items():
-        for k, (a, b) in enumerate(zip(steps, steps[1:]), start=1):
-            inside = tuple(c for c in chunks if a < c <= b)
-            out.append(StepGap(rid, k, a, b, inside, bool(chunks) and len(inside) == len(chunks)))
-    return out
-
-
-def token_steps_of(trace, records) -> list[int]:
-    """The step that produced each ``token`` of ``trace``: a token is stamped with its step's
-    "sampled" mark (StepRecord.t_ns after the sample phase), so the two are matched exactly."""
-    from minillm.core.step_record import PHASES
-    i = PHASES.index("sample")
-    by_t = {r.t_ns[i]: r.step for r in records if len(r.t_ns) > i}
-    try:
-        return [by_t[t] for t in trace.times("token")]
-    except KeyError as e:
-        raise ValueError(f"request {trace.request_id}: a token stamped {e} matches no step record "
-                         f"(the step history is too short?)") from None
-
-
-@dataclass
-class StallRun:
-    """One run of the stall scenario, as plain data: times in ms from the long request's arrival."""
-    policy: str
-    budget: int
-    setup: dict
-    short_ids: list[str]
-    long_id: str
-    tokens_ms: dict[str, list[float]]       # request → its token times
-    token_steps: dict[str, list[int]]       # request → the step of each token
-    chunks: list[dict]                      # the long prefill's chunks: step, t_start_ms, t_end_ms, tokens, decode_rows
-    steps: list[dict]                       # the scenario's StepRecords, abridged
-    stalled: list[dict]                     # short requests' gaps holding the whole long prefill
-    itl_max_ms: float
-    itl_p99_ms: float
-    itl_p50_ms: float
-    output_tok_s: float                     # all output tokens / (first arrival → last token)
-    long_ttft_ms: float
-    long_prefill_ms: float                  # prefill_start → prefill_end of the long request
-    max_chunk_gap_ms: float                 # the longest decoder gap that holds any chunk of it
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @property
-    def n_chunks(self) -> int:
-        return len(self.chunks)
-
-    def gaps(self) -> list[StepGap]:
-        return gaps_by_steps({r: self.token_steps[r] for r in self.short_ids}, [c["step"] for c in self.chunks])
-
-
-def stall_setup(n_short: int = 8, long_prompt_len: int = 2048, min_budget: int = 64, arrive_after_tokens: int = 16,
-                short_prompt_len: int = 16, long_output: int = 1, tail: int = 16) -> dict:
-    """``stall_scenario``'s keywords, with the decoders' output long enough that they are still
-    decoding when the long prompt's last chunk runs at the smallest budget (so every budget of a
-    trade-off sweep is measured against the same, still-running decoders).
-
-    ``long_output`` = 1: the long request stops at its first token (its TTFT is what 10.4 asks
-    about), so the decoders' gaps show the prefill alone. Were it to decode beside them, every
-    such step would read its long context for every row (rows of different lengths are gathered
-    to the longest, ``engine/attention.py``; chapter 11's paged attention removes that): a real
-    cost, but a different one, and it would set the decoders' max ITL at every budget alike."""
-    n_chunks = len(chunk_sizes(long_prompt_len, min_budget, n_short))
-    return dict(n_short=n_short, short_prompt_len=short_prompt_len,
-                short_output=arrive_after_tokens + n_chunks + tail, long_prompt_len=long_prompt_len,
-                long_output=long_output, arrive_after_tokens=arrive_after_tokens)
-
-
-def run_stall(llm, policy: str, budget: int, setup: dict, seed: int = 0) -> StallRun:
-    """``workload.stall_scenario`` under ``policy`` with step budget ``budget`` (restored after),
-    kept as a timeline: every token's time and step, the long prefill's chunks, the step records."""
-    from minillm.loadgen.workload import stall_scenario
-    from minillm.metrics.definitions import request_metrics
-    eng = llm.engine
-    sch = eng.scheduler
-    saved = sch.policy, sch.max_num_batched_tokens
-    sch.policy, sch.max_num_batched_tokens = policy, budget
-    eng.allocator.forget()
-    last = eng.step_history[-1].step if eng.step_history else -1
-    try:
-        res = stall_scenario(llm, seed=seed, **setup)
-    finally:
-        sch.policy, sch.max_num_batched_tokens = saved
-    recs = [r for r in eng.step_history if r.step > last]
-    if not recs or recs[0].step != last + 1:
-        raise RuntimeError("the step history lost some of this run's steps: raise EngineConfig.step_history")
-    traces = {o.request_id: o.trace for o in res.outputs}
-    long_tr = traces[res.long_id]
-    t0 = long_tr.first("received").t_ns
-    ms = lambda t: (t - t0) / 1e6          # noqa: E731
-    tokens_ms = {rid: [ms(t) for t in tr.times("token")] for rid, tr in traces.items()}
-    token_steps = {rid: token_steps_of(tr, recs) for rid, tr in traces.items()}
-    chunks = [{"step": e.extra["step"], "t_start_ms": ms(e.extra["t_start_ns"]), "t_end_ms": ms(e.t_ns),
-               "tokens": e.extra["tokens"], "decode_rows": e.extra["decode_rows"]}
-              for e in long_tr if e.event == "prefill_chunk"]
-    steps = [{"step": r.step, "t_start_ms": ms(r.t_start_ns), "t_end_ms": ms(r.t_ns[-1]) if r.t_ns else None,
-              "prefill_tokens": r.num_prefill_tokens, "decode_rows": r.num_decode_rows} for r in recs]
-    gaps = gaps_by_steps({r: token_steps[r] for r in res.short_ids}, [c["step"] for c in chunks])
-    gap_ms = lambda g: tokens_ms[g.request_id][g.index] - tokens_ms[g.request_id][g.index - 1]   # noqa: E731
-    stalled = [{"request_id": g.request_id, "index": g.index, "step_from": g.step_from, "step_to": g.step_to,
-                "gap_ms": gap_ms(g)} for g in gaps if g.whole_prefill]
-    with_chunk = [gap_ms(g) for g in gaps if g.chunk_steps]
-
-    mets = [request_metrics(o.trace) for o in res.outputs]
-    itl = np.array([g for m in mets if m.request_id in res.short_ids for g in m.itl_s]) * 1e3
-    start = min(m.t_start_ns for m in mets)
-    end = max(m.t_end_ns for m in mets)
-    long_m = next(m for m in mets if m.request_id == res.long_id)
-    return StallRun(policy, budget, dict(setup), list(res.short_ids), res.long_id, tokens_ms, token_steps,
-                    chunks, steps, stalled, float(itl.max()), float(np.percentile(itl, 99)),
-                    float(np.percentile(itl, 50)), sum(m.output_tokens for m in mets) / ((end - start) / 1e9),
-                    long_m.ttft_s * 1e3, (long_tr.first("prefill_end").t_ns - long_tr.first("prefill_start").t_ns) / 1e6,
-                    max(with_chunk, default=0.0))
-
-
-@dataclass
-class Tradeoff:
-    """The chunk-budget sweep: the prefill-first run (one whole-prompt step) and a chunked run
-    per budget, all on the same scenario."""
-    setup: dict
-    prefill_first: StallRun
-    chunked: list[StallRun]
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def table(self) -> str:
-        s = self.setup
-        out = [f"{s['n_short']} requests decoding, a {s['long_prompt_len']}-token prompt arrives after "
-               f"{s['arrive_after_tokens']} tokens",
-               f"{'policy':<14}{'budget':>7}{'chunks':>7}{'ITL max ms':>11}{'ITL p99 ms':>11}{'ITL p50 ms':>11}"
-               f"{'long TTFT ms':>13}{'out tok/s':>10}"]
-        for r in [self.prefill_first, *self.chunked]:
-            out.append(f"{r.policy:<14}{r.budget:>7}{r.n_chunks:>7}{r.itl_max_ms:>11.1f}{r.itl_p99_ms:>11.1f}"
-                       f"{r.itl_p50_ms:>11.1f}{r.long_ttft_ms:>13.1f}{r.output_tok_s:>10.1f}")
-        out += ["WARNING: " + w for w in stall_warnings([self.prefill_first, *self.chunked])]
-        return "\n".join(out)
-
-
-def stall_warnings(runs: Sequence[StallRun | dict], spike: float = 3.0) -> list[str]:
-    """Signs of a busy machine in stall runs, read from their step records:
-    - a run whose decode steps before the long prompt arrived (the same requests, the same work
-      in every run) spread more than NOISY_SPREAD (p90/p10), or whose median is that far off
-      the other runs';
-    - a step with no prefill in it that took more than ``spike`` × the median of the run's
-      decode-only steps with as many rows: the scheduler put nothing extra in it, so the machine
-      did (another process, the OS)."""
-    med, out = {}, []
-    for r in runs:
-        d = r.to_dict() if isinstance(r, StallRun) else r
-        tag = f"{d['policy']} {d['budget']}"
-        decode = [s for s in d["steps"] if s["prefill_tokens"] == 0 and s["t_end_ms"] is not None]
-        wall = lambda s: s["t_end_ms"] - s["t_start_ms"]          # noqa: E731
-        before = [wall(s) for s in decode if s["t_start_ms"] < 0]
-        if len(before) >= 3:
-            m, p10, p90 = _quantiles(before)
-            med[tag] = m
-            if p90 / p10 > NOISY_SPREAD:
-                out.append(f"{tag}: decode steps before the arrival spread ×{p90 / p10:.1f} (p90/p10)")
-        spikes = []
-        for rows in {s["decode_rows"] for s in decode}:
-            same = [wall(s) for s in decode if s["decode_rows"] == rows]
-            m = statistics.median(same)
-            spikes += [(w, m) for w in same if w > spike * m]
-        if spikes:
-            w, m = max(spikes)
-            out.append(f"{tag}: {len(spikes)} decode-only step(s) took over {spike:g}× the median of their batch "
-                       f"(up to {w:.1f} ms against {m:.1f} ms) with no prefill in them")
-    if med:
-        mid = statistics.median(med.values())
-        out += [f"{tag}: decode steps before the arrival took {m:.1f} ms against {mid:.1f} ms in the other runs"
-                for tag, m in med.items() if max(m / mid, mid / m) > NOISY_SPREAD]
-    if out:
-        out.append("something else was using the machine: rerun before trusting these runs' max ITL")
-    return out
-
-
-def illustrative_slo_ms(tradeoff: Tradeoff | dict) -> float:
-    """An ITL SLO for machines where no real one (e.g. 50 ms p99 for chat) is within reach, as
-    on a CPU: the geometric mean of the smallest budget's p99 ITL and prefill-first's, so that the
-    crossing falls inside the measured range. It illustrates the reading, it is no requirement."""
-    d = tradeoff.to_dict() if isinstance(tradeoff, Tradeoff) else tradeoff
-    small = min(d["chunked"], key=lambda r: r["budget"])["itl_p99_ms"]
-    return math.sqrt(small * d["prefill_first"]["itl_p99_ms"])
-
-
-def warm_up_stall(llm, setup: dict) -> None:
-    """One untimed run of the scenario: allocations, kernel choice and (on CUDA) the decode
-    graphs of every bucket it will meet are paid here, not inside a measured gap."""
-    run_stall(llm, "prefill-first", max(2048, setup["long_prompt_len"]), setup, seed=991)
-
-
-def chunk_tradeoff(llm, budgets: Sequence[int], setup: dict, warmup: bool = True, seed: int = 0) -> Tradeoff:
-    """The scenario once under prefill-first and once per chunk budget (chunked policy)."""
-    if warmup:
-        warm_up_stall(llm, setup)
-    first = run_stall(llm, "prefill-first", max(2048, setup["long_prompt_len"]), setup, seed)
-    runs = [run_stall(llm, "chunked", int(b), setup, seed) for b in sorted(budgets)]
-    return Tradeoff(dict(setup), first, runs)
-
-
-def slo_crossing(budgets: Sequence[float], values: Sequence[float], slo: float) -> float | None:
-    """Where a curve (values against budgets) first crosses ``slo`` from below, interpolated on
-    log2(budget). None when it never does (all within, or all over, the SLO)."""
-    pts = sorted(zip(budgets, values))
-    for (b0, v0), (b1, v1) in zip(pts, pts[1:]):
-        if v0 <= slo < v1:
-            f = (slo - v0) / (v1 - v0)
-            return 2 ** (math.log2(b0) + f * (math.log2(b1) - math.log2(b0)))
-    return None
-
-
-def largest_budget_within(runs: Sequence[StallRun | dict], slo_ms: float, key: str = "itl_p99_ms") -> int | None:
-    """The largest measured budget whose ``key`` stays ≤ slo_ms (the largest chunk keeps the
-    long request's TTFT and the throughput best), or None."""
-    ok = [(r["budget"] if isinstance(r, dict) else r.budget) for r in runs
-          if (r[key] if isinstance(r, dict) else getattr(r, key)) <= slo_ms]
-    return max(ok, default=None)
 
 
 # ----------------------------------------------------------------------------- references

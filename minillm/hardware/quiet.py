@@ -91,6 +91,17 @@ def spread(samples: Sequence[float]) -> float | None:
     return float(p90 / p10)
 
 
+def median_p10_p90(xs: Sequence[float]) -> tuple[float, float, float]:
+    """The median and the 10th and 90th percentiles of repeats (statistics' inclusive method);
+    one sample is all three."""
+    import statistics
+    xs = list(xs)
+    if len(xs) == 1:
+        return xs[0], xs[0], xs[0]
+    q = statistics.quantiles(xs, n=10, method="inclusive")
+    return statistics.median(xs), q[0], q[-1]
+
+
 def noisy_rows(samples: Mapping[Hashable, Sequence[float]], rel_spread: float = NOISY_SPREAD) -> dict:
     """``{row: spread}`` for the rows whose repeats spread more than ``rel_spread`` (p90/p10),
     in the order given. A row is one measurement repeated (a batch size, a prompt length…)."""

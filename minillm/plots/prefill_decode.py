@@ -14,7 +14,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from minillm.experiments.prefill_decode import cost_ratio, slo_crossing
+from minillm.experiments.prefill_decode import cost_ratio
+from minillm.experiments.stall import slo_crossing
 from minillm.hardware.quiet import NOISY_SPREAD
 
 PREFILL_C, DECODE_C, REF_C = "tab:orange", "tab:blue", "tab:purple"
