@@ -305,6 +305,49 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see: {self.prog} --help)\n")
 
 
+# ------------------------------------------------------------------ diagnose (10.1–10.5)
+def _add_diagnose_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("diagnose", help="where did the slow requests lose their time? starts late (TTFT stages), "
+                                        "stutters (ITL gaps holding a prefill), or outside the device")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--base-url", help="a minillm server: GET /v1/traces (every page) and /v1/steps")
+    src.add_argument("--traces", metavar="FILE.json",
+                     help="saved traces: GET /v1/traces's JSON, a list of its items, or --save's file")
+    p.add_argument("--api-key", default=None,
+                   help="the key for --base-url (default: $MINILLM_API_KEY, then $OPENAI_API_KEY); the admin "
+                        "key reads every caller's traces and the step records")
+    p.add_argument("--steps", metavar="FILE.json", help="step records (GET /v1/steps's JSON) to add to --traces")
+    p.add_argument("--no-steps", action="store_true", help="do not fetch or use step records")
+    p.add_argument("--save", metavar="FILE.json", help="with --base-url: save what was fetched, for --traces later")
+    p.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
+    p.set_defaults(fn=cmd_diagnose)
+    return p
+
+
+def cmd_diagnose(a: argparse.Namespace) -> int:
+    import os
+
+    from minillm.core.records import as_steps, load_input
+    from minillm.loadgen.server_api import diagnose_server
+    from minillm.metrics.diagnose import diagnose
+    if a.base_url:
+        key = a.api_key or os.environ.get("MINILLM_API_KEY") or os.environ.get("OPENAI_API_KEY")
+        d, fetched = diagnose_server(a.base_url, key, steps=not a.no_steps)
+        if a.save:
+            Path(a.save).write_text(json.dumps(fetched), encoding="utf-8")
+            print(f"saved {len(fetched['traces'])} traces and {len(fetched['steps'])} step records to {a.save}",
+                  file=sys.stderr)
+    else:
+        if a.save:
+            raise ValueError("--save goes with --base-url (a --traces file is saved already)")
+        traces, steps = load_input(a.traces)
+        if a.steps:
+            steps = as_steps(json.loads(Path(a.steps).read_text(encoding="utf-8")))
+        d = diagnose(traces, [] if a.no_steps else steps)
+    print(json.dumps(d.to_dict(), indent=1) if a.json else d.text())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="python -m minillm", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -493,8 +536,7 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--json", default=None)
     bd.set_defaults(fn=cmd_bench_deceptions)
 
-    from minillm.metrics.diagnose import add_diagnose_parser
-    add_diagnose_parser(sub)
+    _add_diagnose_parser(sub)
 
     d = sub.add_parser("doctor", help="check dependencies, the torch build and the devices")
     d.set_defaults(fn=cmd_doctor)

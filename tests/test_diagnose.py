@@ -16,8 +16,10 @@ import json
 
 import pytest
 
+from minillm.core import records
 from minillm.core.step_record import PHASES, StepRecord
 from minillm.core.trace import Trace
+from minillm.loadgen import server_api
 from minillm.metrics import diagnose as dg
 from minillm.metrics.diagnose import (
     HEALTHY,
@@ -295,7 +297,7 @@ def test_every_json_form_gives_the_same_diagnosis(tmp_path):
     # a --save file: traces and steps (GET /v1/steps's records) in one JSON
     path = tmp_path / "run.json"
     path.write_text(json.dumps({"traces": items, "steps": [r.to_dict() for r in recs]}))
-    tr2, st2 = dg.load_input(path)
+    tr2, st2 = records.load_input(path)
     assert len(tr2) == 20 and len(st2) == len(recs)
     assert diagnose(tr2, st2).verdict == diagnose(traces, recs).verdict
 
@@ -306,10 +308,10 @@ def test_bad_inputs_raise_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="t_start_ns"):
         diagnose(healthy_traces(2), [{"step": 1}])
     with pytest.raises(FileNotFoundError):
-        dg.load_input(tmp_path / "missing.json")
+        records.load_input(tmp_path / "missing.json")
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ValueError, match="not JSON"):
-        dg.load_input(tmp_path / "bad.json")
+        records.load_input(tmp_path / "bad.json")
 
 
 def test_to_dict_is_plain_json():
@@ -323,9 +325,8 @@ def test_to_dict_is_plain_json():
 # ---- the command line --------------------------------------------------------------------------
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser()
-    dg.add_diagnose_parser(ap.add_subparsers(dest="cmd"))
-    return ap.parse_args(argv)
+    from minillm.cli import build_parser
+    return build_parser().parse_args(argv)
 
 
 def test_cli_reads_a_traces_file(tmp_path, capsys):
@@ -407,9 +408,9 @@ def test_a_live_server_over_http(tmp_path, capsys):
         finally:
             gc.enable()
         assert all(r.status == 200 for r in results), [r.error for r in results]
-        items = dg.fetch_traces(srv.url, key, page_size=3)             # three pages and a bit
+        items = server_api.fetch_trace_items(srv.url, None, key, page_size=3)             # three pages and a bit
         assert len(items) == 8 and len({it["request_id"] for it in items}) == 8
-        d, fetched = dg.diagnose_server(srv.url + "/v1", key, page_size=3)
+        d, fetched = server_api.diagnose_server(srv.url + "/v1", key, page_size=3)
         assert d.n_completed == 8 and d.n_steps > 0, d.text()
         # 6 of 8 must queue: that finding is structural. Whether it is also the verdict depends on
         # the machine: a pause of the whole process (the CI once had a 322 ms one, a full garbage
@@ -423,7 +424,7 @@ def test_a_live_server_over_http(tmp_path, capsys):
         assert a.fn(a) == 0
         out = capsys.readouterr().out
         assert out.startswith("verdict: ") and "starts late: queue" in out, out   # the verdict or an "also:"
-        tr, st = dg.load_input(save)
+        tr, st = records.load_input(save)
         assert len(tr) == 8 and st
     finally:
         srv.stop()
@@ -435,6 +436,6 @@ def test_a_wrong_key_is_a_clear_error():
                                     api_keys=["sk-right-0123456789"])).start()
     try:
         with pytest.raises(ValueError, match="401"):
-            dg.fetch_traces(srv.url, "sk-wrong-0123456789")
+            server_api.fetch_trace_items(srv.url, None, "sk-wrong-0123456789")
     finally:
         srv.stop()

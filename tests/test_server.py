@@ -15,7 +15,8 @@ import time
 import httpx
 import pytest
 
-from minillm.loadgen.http_overhead import arun_concurrent, astream_completion, fetch_traces, stream_completion
+from minillm.loadgen.http_overhead import arun_concurrent, astream_completion, stream_completion
+from minillm.loadgen.server_api import fetch_traces
 from minillm.serving.server import ServerConfig, ServerThread
 
 KEY = "sk-test-server-0123456789"

@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from minillm.core.trace import Trace, now_ns
+from minillm.loadgen.server_api import fetch_traces
 from minillm.metrics.definitions import ClientRecord, client_request_metrics
 
 TARGET_P50_MS = 3.0
@@ -219,23 +220,6 @@ def run_in_fresh_loop(make_coroutine, name: str):
     if isinstance(out[0], BaseException):
         raise out[0]
     return out[0]
-
-
-def fetch_traces(base_url: str, request_ids: list[str] | None = None, api_key: str | None = None,
-                 client=None) -> list[Trace]:
-    """``GET /v1/traces`` → :class:`~minillm.core.trace.Trace` objects (plain data on the wire)."""
-    import httpx
-    own = client is None
-    client = client or httpx.Client(timeout=60)
-    try:
-        params = {"request_id": ",".join(request_ids)} if request_ids else None
-        r = client.get(base_url.rstrip("/") + ("" if base_url.rstrip("/").endswith("/v1") else "/v1") + "/traces",
-                       params=params, headers=_headers(api_key))
-        r.raise_for_status()
-        return [Trace.from_records(d["request_id"], d["events"]) for d in r.json()["data"]]
-    finally:
-        if own:
-            client.close()
 
 
 # ---------------------------------------------------------------------------------------------

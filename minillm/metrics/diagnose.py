@@ -36,18 +36,13 @@ its "data" list>}``, which is what ``--save`` writes.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import os
-import sys
-import time
 from bisect import bisect_left
 from collections import Counter
-from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
+from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Sequence
 
+from minillm.core.records import as_steps, as_traces
 from minillm.core.step_record import PHASES, StepRecord
 from minillm.core.trace import Trace
 from minillm.metrics.definitions import (
@@ -185,97 +180,6 @@ def _clean(x: Any) -> Any:
     if isinstance(x, (list, tuple)):
         return [_clean(v) for v in x]
     return x
-
-
-# ---------------------------------------------------------------------------------------------
-# Inputs: Trace objects or the server's JSON; StepRecords or /v1/steps JSON
-def as_traces(data: Any) -> list[Trace]:
-    """Traces from any of the accepted forms (see the module docstring). Raises ``ValueError``
-    naming what it could not read."""
-    if data is None:
-        return []
-    if isinstance(data, Trace):
-        return [data]
-    if isinstance(data, dict):
-        if "traces" in data:
-            return as_traces(data["traces"])
-        if "data" in data:                                  # one page of GET /v1/traces
-            return as_traces(data["data"])
-        if "events" in data:
-            return [_trace_from_item(data)]
-        raise ValueError("a traces object needs 'data' (GET /v1/traces), 'traces' or 'events'")
-    if not isinstance(data, (list, tuple)):
-        raise ValueError(f"cannot read traces from a {type(data).__name__}")
-    if data and all(isinstance(r, dict) and "event" in r for r in data):   # flat rows of many requests
-        return _traces_from_rows(data)
-    out: list[Trace] = []
-    for item in data:
-        if isinstance(item, Trace):
-            out.append(item)
-        elif isinstance(item, dict):
-            out.append(_trace_from_item(item))
-        elif isinstance(item, list):                         # one Trace.to_records() list
-            out.extend(_traces_from_rows(item))
-        else:
-            raise ValueError(f"cannot read a trace from a {type(item).__name__}")
-    return out
-
-
-def _trace_from_item(item: dict) -> Trace:
-    if "events" not in item:
-        raise ValueError("a trace item needs 'events' (and 'request_id'), as GET /v1/traces returns them")
-    rows = item["events"]
-    if not all(isinstance(r, dict) and "event" in r and "t_ns" in r for r in rows):
-        raise ValueError(f"trace {item.get('request_id')!r}: every event needs 'event' and 't_ns'")
-    return Trace.from_records(str(item.get("request_id", "?")), rows)
-
-
-def _traces_from_rows(rows: list[dict]) -> list[Trace]:
-    by_id: dict[str, list[dict]] = {}
-    for r in rows:
-        if "event" not in r or "t_ns" not in r:
-            raise ValueError("a trace row needs 'event' and 't_ns'")
-        by_id.setdefault(str(r.get("request_id", "?")), []).append(r)
-    return [Trace.from_records(rid, rs) for rid, rs in by_id.items()]
-
-
-_STEP_FIELDS = {f.name for f in fields(StepRecord)}
-
-
-def as_steps(data: Any) -> list[StepRecord]:
-    """StepRecords from StepRecord objects, their ``to_dict()`` or ``GET /v1/steps``'s body."""
-    if data is None:
-        return []
-    if isinstance(data, dict):
-        if "data" in data:
-            return as_steps(data["data"])
-        data = [data]
-    out = []
-    for d in data:
-        if isinstance(d, StepRecord):
-            out.append(d)
-        elif isinstance(d, dict) and "t_start_ns" in d:
-            kw = {k: v for k, v in d.items() if k in _STEP_FIELDS}
-            kw["t_ns"] = [int(t) for t in kw.get("t_ns", [])]
-            if kw.get("bucket") is not None:
-                kw["bucket"] = tuple(kw["bucket"])
-            out.append(StepRecord(**kw))
-        else:
-            raise ValueError("a step record needs 't_start_ns' and 't_ns' (StepRecord.to_dict(), GET /v1/steps)")
-    return out
-
-
-def load_input(path: str | Path) -> tuple[list[Trace], list[StepRecord]]:
-    """Traces (and steps, when the file has them) from a JSON file (see the module docstring)."""
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"no such traces file: {p}")
-    try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{p} is not JSON: {e}") from None
-    steps = as_steps(data.get("steps")) if isinstance(data, dict) else []
-    return as_traces(data), steps
 
 
 # ---------------------------------------------------------------------------------------------
@@ -712,109 +616,3 @@ def _verdict(findings: list[Finding], s: Summary) -> tuple[str, str, str | None]
             parts.append(f"{_pct(outside.numbers['steps_host_share'])} of step time on the host")
         return f"{HEALTHY}: no tail stands out ({'; '.join(parts)})", HEALTHY, None
     return main.headline, main.check, main.cause
-
-
-# ---------------------------------------------------------------------------------------------
-# Over HTTP: GET /v1/traces (paginated) and GET /v1/steps
-def _api_root(base_url: str) -> str:
-    root = base_url.rstrip("/")
-    return root[:-3] if root.endswith("/v1") else root
-
-
-def fetch_traces(base_url: str, api_key: str | None = None, page_size: int = 1000, client=None) -> list[dict]:
-    """Every trace the key may read, oldest first, page by page (``?limit=`` and ``?after=`` the
-    ``next`` cursor of the previous page, app.py). Plain JSON items ``{"request_id", "events"}``."""
-    import httpx
-    own = client is None
-    client = client or httpx.Client(timeout=60)
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    items: list[dict] = []
-    after: int | None = 0
-    try:
-        while after is not None:
-            r = client.get(_api_root(base_url) + "/v1/traces", params={"limit": page_size, "after": after},
-                           headers=headers)
-            if r.status_code != 200:
-                raise ValueError(f"GET /v1/traces answered {r.status_code}: {r.text[:200]}")
-            page = r.json()
-            items += page.get("data", [])
-            after = page.get("next")
-    except httpx.HTTPError as e:
-        raise ValueError(f"cannot read traces from {base_url}: {e}") from None
-    finally:
-        if own:
-            client.close()
-    return items
-
-
-def fetch_steps(base_url: str, api_key: str | None = None, limit: int = 10_000,
-                client=None) -> tuple[list[dict], str | None]:
-    """``GET /v1/steps`` → (records, None), or ([], why) when the server has none or refuses
-    (it needs the admin key when one is configured)."""
-    import httpx
-    own = client is None
-    client = client or httpx.Client(timeout=60)
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        r = client.get(_api_root(base_url) + "/v1/steps", params={"limit": limit}, headers=headers)
-    except httpx.HTTPError as e:
-        return [], f"GET /v1/steps failed: {e}"
-    finally:
-        if own:
-            client.close()
-    if r.status_code != 200:
-        return [], f"GET /v1/steps answered {r.status_code} (the step records need the admin key when one is set)"
-    return r.json().get("data", []), None
-
-
-def diagnose_server(base_url: str, api_key: str | None = None, steps: bool = True,
-                    page_size: int = 1000) -> tuple[Diagnosis, dict[str, Any]]:
-    """Fetch a server's traces (and steps) and diagnose them. Returns the diagnosis and what was
-    fetched, in the file format :func:`load_input` reads (``{"traces", "steps"}``)."""
-    items = fetch_traces(base_url, api_key, page_size)
-    records, why = fetch_steps(base_url, api_key) if steps else ([], None)
-    d = diagnose(items, records)
-    if why:
-        d.notes.append(why + ": host/device split skipped")
-    saved = {"source": _api_root(base_url), "fetched": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-             "traces": items, "steps": records}
-    return d, saved
-
-
-# ---------------------------------------------------------------------------------------------
-# Command line: `python -m minillm diagnose` (wired into minillm/cli.py)
-def add_diagnose_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("diagnose", help="where did the slow requests lose their time? starts late (TTFT stages), "
-                                        "stutters (ITL gaps holding a prefill), or outside the device")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--base-url", help="a minillm server: GET /v1/traces (every page) and /v1/steps")
-    src.add_argument("--traces", metavar="FILE.json",
-                     help="saved traces: GET /v1/traces's JSON, a list of its items, or --save's file")
-    p.add_argument("--api-key", default=None,
-                   help="the key for --base-url (default: $MINILLM_API_KEY, then $OPENAI_API_KEY); the admin "
-                        "key reads every caller's traces and the step records")
-    p.add_argument("--steps", metavar="FILE.json", help="step records (GET /v1/steps's JSON) to add to --traces")
-    p.add_argument("--no-steps", action="store_true", help="do not fetch or use step records")
-    p.add_argument("--save", metavar="FILE.json", help="with --base-url: save what was fetched, for --traces later")
-    p.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
-    p.set_defaults(fn=cmd_diagnose)
-    return p
-
-
-def cmd_diagnose(a: argparse.Namespace) -> int:
-    if a.base_url:
-        key = a.api_key or os.environ.get("MINILLM_API_KEY") or os.environ.get("OPENAI_API_KEY")
-        d, fetched = diagnose_server(a.base_url, key, steps=not a.no_steps)
-        if a.save:
-            Path(a.save).write_text(json.dumps(fetched), encoding="utf-8")
-            print(f"saved {len(fetched['traces'])} traces and {len(fetched['steps'])} step records to {a.save}",
-                  file=sys.stderr)
-    else:
-        if a.save:
-            raise ValueError("--save goes with --base-url (a --traces file is saved already)")
-        traces, steps = load_input(a.traces)
-        if a.steps:
-            steps = as_steps(json.loads(Path(a.steps).read_text(encoding="utf-8")))
-        d = diagnose(traces, [] if a.no_steps else steps)
-    print(json.dumps(d.to_dict(), indent=1) if a.json else d.text())
-    return 0
