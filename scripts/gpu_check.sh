@@ -82,7 +82,7 @@ fi
 step "10.4 prefill vs decode, stall $STALL, chunk trade-off"
 if want prefill; then
 mkdir -p "$OUT/prefill-decode"
-timeout 90 $PY -m minillm.experiments.prefill_decode --model "$MODEL" --dtype "$DTYPE" --lengths "$LENGTHS" \
+timeout 90 $PY -m minillm prefill-decode --model "$MODEL" --dtype "$DTYPE" --lengths "$LENGTHS" \
     --batches 1,8,64 --context 512 --repeats 2 --stall-long "$STALL" --n-short 8 --budgets 256,1024,4096 \
     --out "$OUT/prefill-decode" 2>&1 | tee "$OUT/prefill-decode.txt"
 fi
@@ -90,14 +90,14 @@ fi
 step "10.5 eager vs graphs, sampling 8k/128k, profile tiny, step phases"
 if want outside; then
 mkdir -p "$OUT/outside"
-timeout 100 $PY -m minillm.experiments.outside_reference --out "$OUT/outside" --models "$OUTSIDE_MODELS" --only "$OUTSIDE_ONLY" \
+timeout 100 $PY -m minillm outside-reference --out "$OUT/outside" --models "$OUTSIDE_MODELS" --only "$OUTSIDE_ONLY" \
     --batches 1,8,64 --context 512 --steps 20 $ALLOW_CPU 2>&1 | tee "$OUT/outside.txt"
 fi
 
 step "10.5 where the batch-1 step of $MODEL goes: profile_steps, eager and with graphs"
 if want profile; then
 mkdir -p "$OUT/profile-model"
-timeout 60 $PY -m minillm.experiments.outside_reference --out "$OUT/profile-model" --only profile \
+timeout 60 $PY -m minillm outside-reference --out "$OUT/profile-model" --only profile \
     --profile-model "$MODEL" --profile-top 25 --context 512 $ALLOW_CPU 2>&1 | tee "$OUT/profile-model.txt"
 fi
 

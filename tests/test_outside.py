@@ -256,8 +256,9 @@ def test_graphs_comparison_on_cuda():
 
 
 def test_reference_files_round_trip(tmp_path):
+    from minillm.cli import main
     from minillm.experiments.outside_graphs import GraphsResult, GraphsRow
-    from minillm.experiments.outside_reference import load_references, main, write_reference
+    from minillm.experiments.outside_reference import load_references, write_reference
     g = GraphsResult("cuda:0", "H200", "bf16", 4.0e12, "measured read", 512, 30, 5,
                      rows=[GraphsRow("tiny", 1, "eager", 512, step_ms=[1.0], step_ms_median=1.0, tok_s=1000.0,
                                      bound_tok_s=2e5, pct_of_bound=0.005, device_busy=0.1, launches_per_step=300)])
@@ -273,7 +274,7 @@ def test_reference_files_round_trip(tmp_path):
     with pytest.raises(ValueError):
         write_reference(tmp_path, "outside-nonsense", {}, "cpu")
     if not torch.cuda.is_available():
-        assert main(["--out", str(tmp_path / "x")]) == 2          # a CPU is not a GPU reference
+        assert main(["outside-reference", "--out", str(tmp_path / "x")]) == 2   # a CPU is not a GPU reference
 
 
 # --------------------------------------------------------------------------------- figures

@@ -298,7 +298,8 @@ def test_references_are_found_by_their_name_below_the_roots(tmp_path, result):
 
 def test_command_line_writes_a_reference_the_figure_can_draw(tmp_path):
     out = tmp_path / "prefill-decode"
-    assert pd.main(["--model", "tiny", "--device", "cpu", "--dtype", "fp32", "--lengths", "16,32", "--batches", "1,2",
+    from minillm.cli import main
+    assert main(["prefill-decode", "--model", "tiny", "--device", "cpu", "--dtype", "fp32", "--lengths", "16,32", "--batches", "1,2",
                     "--context", "16", "--repeats", "1", "--steps", "1", "--stall-long", "128", "--n-short", "2",
                     "--budgets", "32,64", "--copy-mib", "4", "--matmul-n", "64", "--out", str(out)]) == 0
     refs = pd.load_references([out])
@@ -306,7 +307,7 @@ def test_command_line_writes_a_reference_the_figure_can_draw(tmp_path):
     ref = refs[0]
     assert ref["kind"] == "minillm prefill-decode reference" and ref["roofline"]["model"] == "tiny"
     assert [r["tokens"] for r in ref["roofline"]["prefill"]] == [16, 32]
-    assert ref["roofline"]["command"].startswith("python -m minillm.experiments.prefill_decode --model tiny")
+    assert ref["roofline"]["command"].startswith("python -m minillm prefill-decode")
     tr = ref["tradeoff"]
     assert tr["prefill_first"]["policy"] == "prefill-first" and [r["budget"] for r in tr["chunked"]] == [32, 64]
     assert len(tr["prefill_first"]["stalled"]) == 2              # one stalled gap per decoder

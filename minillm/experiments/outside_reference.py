@@ -1,6 +1,6 @@
 """The GPU reference run of chapter 10.5, and reading it back.
 
-    python -m minillm.experiments.outside_reference --out DIR            # on a CUDA machine
+    python -m minillm outside-reference --out DIR            # on a CUDA machine
 
 writes, each with its provenance (host, hardware, versions, command, every sample):
 
@@ -16,7 +16,6 @@ Only real runs: nothing in those files is typed in.
 """
 from __future__ import annotations
 
-import argparse
 import platform
 import re
 import shlex
@@ -73,23 +72,16 @@ def load_references(dirs: list[str | Path] | tuple = REFERENCE_DIRS, root: str |
     return found
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m minillm.experiments.outside_reference", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="folder for the JSON files")
-    ap.add_argument("--models", default="tiny,llama-3.1-8b", help="graphs comparison and phases (comma-separated)")
-    ap.add_argument("--batches", default="1,8,64", help="graphs comparison batches")
-    ap.add_argument("--context", type=int, default=512)
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--vocabs", default="8192,128256", help="sampling vocabularies")
-    ap.add_argument("--sampling-batches", default="1,2,4,8,16,32,64")
-    ap.add_argument("--only", default=",".join(k.removeprefix("outside-") for k in KINDS),
-                    help="which parts: graphs,sampling,profile,phases")
-    ap.add_argument("--profile-model", default="tiny", help="the model profile_steps runs (batch 1)")
-    ap.add_argument("--profile-top", type=int, default=10, help="rows of the profile's op table")
-    ap.add_argument("--allow-cpu", action="store_true", help="a dry run on a CPU (skips graphs)")
-    a = ap.parse_args(argv)
-
+def run_reference(out: str | Path, models: str = "tiny,llama-3.1-8b", batches: str = "1,8,64", context: int = 512,
+                  steps: int = 30, vocabs: str = "8192,128256", sampling_batches: str = "1,2,4,8,16,32,64",
+                  only: str = ",".join(k.removeprefix("outside-") for k in KINDS), profile_model: str = "tiny",
+                  profile_top: int = 10, allow_cpu: bool = False, command: str = "") -> int:
+    """Everything 10.5 measures on a GPU, each part to its JSON (``python -m minillm outside-reference``).
+    Returns 2, printing why, when no CUDA device is there and ``allow_cpu`` (a dry run) is off."""
+    from types import SimpleNamespace
+    a = SimpleNamespace(out=out, models=models, batches=batches, context=context, steps=steps, vocabs=vocabs,
+                        sampling_batches=sampling_batches, only=only, profile_model=profile_model,
+                        profile_top=profile_top, allow_cpu=allow_cpu)
     from minillm.core.device import pick_device
     dev = pick_device(None)
     if dev.type != "cuda" and not a.allow_cpu:
@@ -99,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     parts = {p.strip() for p in a.only.split(",") if p.strip()}
     models = [m for m in a.models.split(",") if m]
     batches = [int(b) for b in a.batches.split(",") if b]
-    cmd = " ".join(shlex.quote(x) for x in ["python", "-m", "minillm.experiments.outside_reference", *(argv or sys.argv[1:])])
+    cmd = command or "python -m minillm outside-reference"
     written = []
     loaded: dict = {}          # each twin built once, shared by the graphs comparison and the phases
     if parts & {"graphs", "phases"}:
@@ -147,5 +139,3 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())

@@ -43,7 +43,7 @@ The copy bandwidth (bytes read + written) is measured and shown beside it, label
 Result files written before this change hold the copy figure as ``bandwidth`` (``bandwidth_kind``
 absent: read as "copy").
 
-``python -m minillm.experiments.prefill_decode`` runs everything and writes one JSON (a reference
+``python -m minillm prefill-decode`` (:func:`write_reference`) runs everything and writes one JSON (a reference
 run with provenance: host, hardware, versions, command, every sample).
 """
 from __future__ import annotations
@@ -437,7 +437,7 @@ def roof_reached_at(result: PrefillDecodeResult | dict, fraction: float = 0.8) -
 # ----------------------------------------------------------------------------- references
 
 def load_references(roots: Sequence[str | Path] | None = None, base: str | Path | None = None) -> list[dict]:
-    """Reference runs (``prefill-decode-*.json``, written by ``python -m minillm.experiments.prefill_decode``)
+    """Reference runs (``prefill-decode-*.json``, written by ``python -m minillm prefill-decode``)
     below the reference folders (``minillm.experiments.references``); an empty list when there are none."""
     from minillm.bench.sweep import load_result
     from minillm.experiments.references import REFERENCE_ROOTS, reference_paths
@@ -451,68 +451,47 @@ def load_references(roots: Sequence[str | Path] | None = None, base: str | Path 
 
 # ----------------------------------------------------------------------------- command line
 
-def _ints(text: str) -> list[int]:
-    return sorted({int(x) for x in text.split(",") if x.strip()})
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Everything this module measures, in one JSON with provenance (a reference run)."""
-    import argparse
+def write_reference(out_dir: str | Path = "runs/prefill-decode", model: str | None = None, device: str | None = None,
+                    dtype: str | None = None, lengths: list[int] | None = None, batches: list[int] | None = None,
+                    context: int | None = None, repeats: int = 3, steps: int = 10, cuda_graphs: bool = True,
+                    copy_bytes: int | None = None, matmul_n: int | None = None, stall_long: int | None = None,
+                    n_short: int = 8, budgets: Sequence[int] = (64, 128, 256, 512, 1024, 2048),
+                    command: str = "") -> Path:
+    """Everything this module measures, in one JSON with provenance (a reference run):
+    ``python -m minillm prefill-decode``. Returns the file written."""
     import json
 
     from minillm.bench.sweep import default_model_for, dumps_strict
     from minillm.core.device import pick_device
     from minillm.engine.llm import LLM
-    ap = argparse.ArgumentParser(prog="python -m minillm.experiments.prefill_decode",
-                                 description="chapter 10.4: prefill vs decode roofline, the stall, chunk trade-off")
-    ap.add_argument("--model")
-    ap.add_argument("--device")
-    ap.add_argument("--dtype")
-    ap.add_argument("--lengths", type=_ints, help="prefill prompt lengths, e.g. 16,32,...,8192")
-    ap.add_argument("--batches", type=_ints, help="decode batches (default 1,2,4,8,16,32,48,64)")
-    ap.add_argument("--context", type=int, help="decode context per sequence (default 128 CPU, 512 GPU)")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--no-cuda-graphs", action="store_true")
-    ap.add_argument("--copy-mib", type=int, help="size of the bandwidth copy (default: past the last-level cache)")
-    ap.add_argument("--matmul-n", type=int, help="size of the peak matmul (default 8192 CUDA, 2048 CPU)")
-    ap.add_argument("--stall-long", type=int, help="the long prompt (default 2048 CPU, 4096 GPU; 0: no stall runs)")
-    ap.add_argument("--n-short", type=int, default=8)
-    ap.add_argument("--budgets", type=_ints, default=[64, 128, 256, 512, 1024, 2048])
-    ap.add_argument("--out", default="runs/prefill-decode", help="folder for the JSON")
-    a = ap.parse_args(argv)
-    dev = pick_device(a.device)
-    model = a.model or default_model_for(dev)
-    lengths = a.lengths or default_lengths(dev)
-    long_len = a.stall_long if a.stall_long is not None else (2048 if dev.type == "cpu" else 4096)
-    setup = stall_setup(a.n_short, long_len, min(a.budgets)) if long_len else None
-    max_len = max(lengths + ([long_len + setup["long_output"] + 8] if setup else [])) + 8
     from minillm.model.config import PRESETS
+    dev = pick_device(device)
+    model = model or default_model_for(dev)
+    lengths = lengths or default_lengths(dev)
+    budgets = list(budgets)
+    long_len = stall_long if stall_long is not None else (2048 if dev.type == "cpu" else 4096)
+    setup = stall_setup(n_short, long_len, min(budgets)) if long_len else None
+    max_len = max(lengths + ([long_len + setup["long_output"] + 8] if setup else [])) + 8
     if model in PRESETS:                   # a preset's context caps everything (a dry run on `tiny`)
         max_len = min(max_len, PRESETS[model].max_position_embeddings)
     if setup and long_len + setup["long_output"] >= max_len:
         print(f"no stall runs: a {long_len}-token prompt does not fit {model}'s context ({max_len})", flush=True)
         setup = None
-    llm = LLM(model, device=str(dev), dtype=a.dtype, max_batch_size=a.n_short + 1, max_model_len=max_len,
-              scheduling_policy="prefill-first", enable_prefix_caching=False, enforce_eager=a.no_cuda_graphs)
-    command = "python -m minillm.experiments.prefill_decode " + " ".join(argv if argv is not None else sys.argv[1:])
+    llm = LLM(model, device=str(dev), dtype=dtype, max_batch_size=n_short + 1, max_model_len=max_len,
+              scheduling_policy="prefill-first", enable_prefix_caching=False, enforce_eager=not cuda_graphs)
     t0 = time.time()
-    res = run_prefill_decode(llm, lengths=lengths, batches=a.batches, context=a.context, repeats=a.repeats,
-                             steps=a.steps, cuda_graphs=not a.no_cuda_graphs, command=command, progress=True,
-                             copy_bytes=a.copy_mib * 2**20 if a.copy_mib else None, matmul_n=a.matmul_n)
+    res = run_prefill_decode(llm, lengths=lengths, batches=batches, context=context, repeats=repeats,
+                             steps=steps, cuda_graphs=cuda_graphs, command=command, progress=True,
+                             copy_bytes=copy_bytes, matmul_n=matmul_n)
     print(res.table(), flush=True)
     out = {"kind": "minillm prefill-decode reference", "roofline": res.to_dict()}
     if setup:
-        tr = chunk_tradeoff(llm, a.budgets, setup)
+        tr = chunk_tradeoff(llm, budgets, setup)
         print(tr.table(), flush=True)
         out["tradeoff"] = tr.to_dict()
     out["duration_s"] = time.time() - t0
-    path = Path(a.out) / f"prefill-decode-{llm.model_name}-{res.dtype}-{dev.type}.json"
+    path = Path(out_dir) / f"prefill-decode-{llm.model_name}-{res.dtype}-{dev.type}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(dumps_strict(out))
     print(f"wrote {path} ({json.dumps(round(out['duration_s'], 1))} s)")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    return path

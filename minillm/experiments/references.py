@@ -6,8 +6,8 @@ learner's own points and always labelled with its provenance. Each kind of resul
 file name, in any folder below a reference root:
 
 - ``roofline-*.json``: decode sweeps (``python -m minillm roofline``), notebooks 03 and 07;
-- ``prefill-decode-*.json``: 10.4's runs (``python -m minillm.experiments.prefill_decode``), 04 and 07;
-- ``outside-*.json``: 10.5's runs (``python -m minillm.experiments.outside_reference``), 05.
+- ``prefill-decode-*.json``: 10.4's runs (``python -m minillm prefill-decode``), 04 and 07;
+- ``outside-*.json``: 10.5's runs (``python -m minillm outside-reference``), 05.
 
 A folder named ``raw`` holds a run's whole bundle for the record (its logs, every file it wrote,
 runs of earlier code): it is read by people, never drawn.

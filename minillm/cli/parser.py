@@ -1,14 +1,10 @@
-"""``python -m minillm <command>``: roofline (the main job), generate, bench, serve, bench-http, bench-engine, doctor."""
+"""The parser of ``python -m minillm <command>``: every command and its flags, in one place. Engine
+flags come from :class:`~minillm.engine.config.EngineConfig` itself (one per field)."""
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    pass
+from minillm.cli import commands as c
 
 
 def _add_model_args(p: argparse.ArgumentParser, default_model: str | None = "tiny") -> None:
@@ -33,279 +29,6 @@ def _add_engine_args(p: argparse.ArgumentParser, defaults: dict | None = None) -
     EngineConfig.add_arguments(p, defaults)
 
 
-_GENERATE_ENGINE = {"max_batch_size": 1}      # one request: one KV slot is all it needs
-
-
-def cmd_generate(a: argparse.Namespace) -> int:
-    from minillm.core.device import dtype_bytes
-    from minillm.engine import LLM, RequestError
-    from minillm.engine.config import EngineConfig
-    from minillm.engine.sampling import SamplingParams
-    from minillm.perf.roofline import decode_step_bytes
-    try:
-        params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k,
-                                top_p=a.top_p, seed=a.seed, stop=a.stop or [], ignore_eos=a.ignore_eos)
-        config = EngineConfig.from_args(a, exclude=("seed",), **_GENERATE_ENGINE)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    llm = LLM(config=config)
-    if llm.is_shape_twin:
-        print(f"[{a.model} is a shape twin: random weights, so the text is gibberish; the timings are real]",
-              file=sys.stderr)
-    try:
-        for delta in llm.stream(a.prompt, params):
-            print(delta, end="", flush=True)
-    except RequestError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print()
-    out = llm.last_output
-    m = out.metrics
-    cfg = llm.model.config
-    ctx = len(out.prompt_token_ids) + len(out.token_ids) // 2
-    step_bytes = decode_step_bytes(cfg, dtype_bytes(llm.dtype), 1, ctx)
-    from minillm.core.device import dtype_name
-    lines = [f"model {a.model} ({dtype_name(llm.dtype)}) on {llm.device} | prompt {m.prompt_tokens} tokens, "
-             f"output {m.output_tokens} tokens, finish: {out.finish_reason}",
-             f"TTFT {m.ttft_s * 1e3:.1f} ms"]
-    if m.tpot_s:
-        lines.append(f"TPOT {m.tpot_s * 1e3:.2f} ms → {1 / m.tpot_s:.1f} tok/s decode; achieved bandwidth "
-                     f"{step_bytes / m.tpot_s / 1e9:.2f} GB/s ({step_bytes / 1e6:.1f} MB read per step)")
-    lines.append(f"E2E {m.e2e_s * 1e3:.1f} ms → {m.output_tokens / m.e2e_s:.1f} tok/s overall")
-    print("\n".join(lines), file=sys.stderr)
-    return 0
-
-
-def _write_json(path: str, data: dict) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(data, indent=2))
-    print(f"wrote {path}")
-
-
-def cmd_bench(a: argparse.Namespace) -> int:
-    if a.peers:
-        from minillm.bench.peers import run_peers
-        engines = ("minillm",) + (() if a.no_transformers else ("transformers",)) + ("llama.cpp",)
-        rep = run_peers(model=a.model, device=a.device, dtype=a.dtype, prompt_tokens=a.prompt_tokens,
-                        new_tokens=a.new_tokens, rounds=a.rounds, engines=engines, compile=a.compile,
-                        gguf_path=a.gguf, progress=True)
-    else:
-        from minillm.bench.decode import run_decode_benchmark
-        rep = run_decode_benchmark(model=a.model, device=a.device, dtype=a.dtype, prompt_tokens=a.prompt_tokens,
-                                   new_tokens=a.new_tokens, repeats=a.repeats,
-                                   compare_transformers=not a.no_transformers, enforce_eager=a.enforce_eager,
-                                   compile=a.compile)
-    print(rep.table())
-    if a.json:
-        _write_json(a.json, rep.to_dict())
-    return 0
-
-
-def cmd_roofline(a: argparse.Namespace) -> int:
-    import shlex
-
-    from minillm.bench.sweep import default_batches, load_result, parse_batches, run_sweep
-    from minillm.plots.figures import figures_dir
-    from minillm.plots.roofline import save_roofline_figure
-    try:
-        batches = parse_batches(a.batches) if a.batches else default_batches(a.max_batch)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    try:                          # where the figure will go: checked, with --out, before the sweep starts
-        figs = figures_dir(a.figures)
-    except OSError as e:
-        print(f"error: cannot write the figure to {a.figures or 'the default figures directory'}: {e}", file=sys.stderr)
-        return 2
-    res = run_sweep(model=a.model, device=a.device, dtype=a.dtype, batches=batches, context=a.context,
-                    warmup=a.warmup, steps=a.steps, cuda_graphs=not a.no_cuda_graphs,
-                    command="python -m minillm " + " ".join(shlex.quote(x) for x in sys.argv[1:]),
-                    partial_path=Path(a.out) / "roofline-partial.jsonl", out_dir=a.out, figures_dir=figs)
-    print(res.table())
-    jp, cp = res.write(a.out)
-    refs = [load_result(p) for p in (a.reference or [])]
-    figs = save_roofline_figure(res.to_dict(), refs, out_dir=a.figures)
-    print(f"data: {jp}  {cp}")
-    print(f"figure: {'  '.join(map(str, figs))}")
-    return 0
-
-
-def cmd_serve(a: argparse.Namespace) -> int:
-    from minillm.engine.config import EngineConfig
-    from minillm.serving.server import config_from_args, serve
-    try:
-        cfg = config_from_args(a, EngineConfig.from_args(a))
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    serve(cfg, host=a.host, port=a.port)
-    return 0
-
-
-def cmd_bench_http(a: argparse.Namespace) -> int:
-    from minillm.loadgen.http_overhead import run_http_overhead
-    rep = run_http_overhead(model=a.model, device=a.device, dtype=a.dtype, n_requests=a.requests,
-                            prompt_tokens=a.prompt_tokens, max_tokens=a.max_tokens, warmup=a.warmup, mode=a.mode,
-                            torch_threads=a.torch_threads)
-    print(rep.table())
-    if a.json:
-        _write_json(a.json, rep.to_dict())
-    return 0
-
-
-def cmd_bench_engine(a: argparse.Namespace) -> int:
-    from minillm.bench.engine import run_engine_bench
-    parts = tuple(x.strip() for x in a.parts.split(",") if x.strip())
-    unknown = set(parts) - {"stall", "prefix", "packed"}
-    if unknown or not parts:
-        print(f"error: --parts takes stall, prefix, packed (comma-separated), got {a.parts!r}", file=sys.stderr)
-        return 2
-    rep = run_engine_bench(model=a.model, device=a.device, dtype=a.dtype, n_short=a.n_short,
-                           long_prompt=a.long_prompt, chunk=a.chunk, prefix_prompt=a.prefix_prompt,
-                           repeats=a.repeats, parts=parts)
-    print(rep.table())
-    if a.json:
-        _write_json(a.json, rep.to_dict())
-    return 0
-
-
-def cmd_bench_server(a: argparse.Namespace) -> int:
-    from minillm.loadgen.server_load import run_server_load
-    reps = [run_server_load(model=a.model, connections=a.connections, duration_s=a.duration, rounds=a.rounds,
-                            trace_store_bytes=b, port=a.port, torch_threads=a.torch_threads)
-            for b in a.trace_store_bytes]
-    for rep in reps:
-        print(rep.table())
-    if reps[0].wrk is None:
-        print("wrk is not on the PATH (Debian/Ubuntu: apt install wrk): requests/s not measured", file=sys.stderr)
-    if a.json:
-        _write_json(a.json, {"runs": [r.to_dict() for r in reps]})
-    return 0
-
-
-def cmd_bench_serve(a: argparse.Namespace) -> int:
-    import math
-    import os
-
-    from minillm.loadgen.bench_serve import BenchConfig, parse_goodput, run_bench
-    cfg = BenchConfig(
-        base_url=a.base_url, endpoint=a.endpoint, api_key=a.api_key or os.environ.get("OPENAI_API_KEY"), model=a.model, num_prompts=a.num_prompts,
-        request_rate=a.request_rate, burstiness=a.burstiness, max_concurrency=a.max_concurrency, seed=a.seed,
-        ignore_eos=a.ignore_eos, dataset_name=a.dataset_name, dataset_path=a.dataset_path,
-        random_input_len=a.random_input_len, random_output_len=a.random_output_len,
-        random_range_ratio=a.random_range_ratio, lognormal_sigma=a.lognormal_sigma, same_prompt=a.same_prompt,
-        warmup=a.warmup, timeout_s=a.request_timeout, goodput=parse_goodput(a.goodput),
-        percentile_metrics=tuple(x.strip() for x in a.percentile_metrics.split(",") if x.strip()),
-        metric_percentiles=tuple(float(x) for x in a.metric_percentiles.split(",") if x.strip()),
-        tokenizer=a.tokenizer, sharegpt_output_len=a.sharegpt_output_len, progress=not a.disable_tqdm)
-    if a.dataset_name == "lognormal" and a.lognormal_median is not None:
-        cfg.random_input_len = a.lognormal_median
-    if not (cfg.burstiness > 0 and (math.isinf(cfg.request_rate) or cfg.request_rate > 0)):
-        print("error: --request-rate and --burstiness must be > 0", file=sys.stderr)
-        return 2
-    if a.sweep_rate or a.sweep_concurrency:
-        return _bench_serve_sweep(cfg, a)
-    res = run_bench(cfg)
-    print(res.table())
-    if a.save_result:
-        print(f"result: {res.save(a.result_dir or '.', a.result_filename)}")
-    if a.report:
-        from minillm.bench.report import BenchReport, MissingReportFields, fetch_server_info
-        rep = BenchReport.from_bench(res, fetch_server_info(cfg), hardware=a.hardware, parallel=a.parallel,
-                                     precision=a.precision)
-        try:
-            print("\n" + rep.render())
-        except MissingReportFields as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        if a.report_json:
-            _write_json(a.report_json, {**rep.to_dict(), "summary": res.summary.to_dict()})
-        if a.report_figure:
-            from minillm.plots.honest import plot_report, report_data, save
-            stamp = f"bench-serve → {cfg.base_url} · {rep.hardware} · {res.started}"
-            print("figure: " + ", ".join(str(p) for p in save(plot_report(res, rep), "10-6-report", stamp,
-                                                                report_data(res, rep), a.report_figure)))
-    return 0
-
-
-def _floats(text: str, flag: str) -> list[float]:
-    try:
-        return [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"{flag} takes a comma-separated list of numbers, got {text!r}") from None
-
-
-def _bench_serve_sweep(cfg, a: argparse.Namespace) -> int:
-    """``--sweep-rate 1,2,4`` / ``--sweep-concurrency 1,4,16``: one run per point, one JSON per
-    point (with ``--save-result``), and one combined table (printed, and saved as JSON)."""
-    import json
-    import time
-    from pathlib import Path
-
-    from minillm.loadgen.bench_serve import run_bench, sweep_configs, sweep_row, sweep_table
-    rates = _floats(a.sweep_rate, "--sweep-rate") if a.sweep_rate else None
-    concs = [int(c) for c in _floats(a.sweep_concurrency, "--sweep-concurrency")] if a.sweep_concurrency else None
-    configs = sweep_configs(cfg, rates, concs)
-    rows = []
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    for i, c in enumerate(configs):
-        res = run_bench(c)
-        rows.append(sweep_row(res))
-        print(f"point {i + 1}/{len(configs)}: rate {c.request_rate:g}, max concurrency {c.max_concurrency or '-'}: "
-              f"{res.n_ok} ok, {res.n_failed} failed")
-        if a.save_result:
-            print(f"  result: {res.save(a.result_dir or '.', f'bench-serve-sweep-{stamp}-point{i}.json')}")
-    print(sweep_table(rows))
-    if a.save_result:
-        d = Path(a.result_dir or ".")
-        p = d / (a.result_filename or f"bench-serve-sweep-{stamp}.json")
-        p.write_text(json.dumps({"tool": "minillm bench-serve sweep", "points": rows},
-                                indent=1, default=lambda x: str(x)), encoding="utf-8")
-        print(f"sweep: {p}")
-    return 0
-
-
-def cmd_bench_client(a: argparse.Namespace) -> int:
-    from minillm.loadgen.client_overhead import measure_client_overhead
-    res = measure_client_overhead(a.num_prompts, a.max_concurrency, a.rounds, a.wrk_duration)
-    print(res.table())
-    if a.json:
-        _write_json(a.json, res.to_dict())
-    return 0
-
-
-def cmd_bench_deceptions(a: argparse.Namespace) -> int:
-    from minillm.bench.deceptions import run_benchmark
-    out = run_benchmark(a.model, a.num_prompts, a.input_len, a.output_len, a.concurrency, a.rate_fraction,
-                        a.base_url, a.api_key)
-    hw = out["server"].get("hardware") or "hardware not reported by the server"
-    where = (a.base_url or f"minillm serve --model {a.model} (own process)") + f" on {hw}"
-    print(f"the four self-deceptions of 10.6, against {where}\n"
-          f"service rate {out['service_rate_rps']:.2f} req/s (closed loop); open-loop runs at "
-          f"{out['open_loop_rate_rps']:.2f} req/s; {a.num_prompts} requests per run, input {a.input_len}, "
-          f"output {a.output_len} tokens\n")
-    for p in out["pairs"]:
-        print(p.table() + "\n")
-    if a.json:
-        _write_json(a.json, {**out, "pairs": [p.to_dict() for p in out["pairs"]]})
-    return 0
-
-
-def cmd_doctor(a: argparse.Namespace) -> int:
-    from minillm.doctor import main as doctor_main
-    return doctor_main([])
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse's own errors (a bad int, an unknown flag) are one line and exit status 2 too,
-    like every other bad input, instead of a screenful of usage."""
-
-    def error(self, message: str):
-        self.exit(2, f"error: {message} (see: {self.prog} --help)\n")
-
-
-# ------------------------------------------------------------------ diagnose (10.1–10.5)
 def _add_diagnose_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("diagnose", help="where did the slow requests lose their time? starts late (TTFT stages), "
                                         "stutters (ITL gaps holding a prefill), or outside the device")
@@ -320,36 +43,59 @@ def _add_diagnose_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--no-steps", action="store_true", help="do not fetch or use step records")
     p.add_argument("--save", metavar="FILE.json", help="with --base-url: save what was fetched, for --traces later")
     p.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
-    p.set_defaults(fn=cmd_diagnose)
+    p.set_defaults(fn=c.cmd_diagnose)
     return p
 
 
-def cmd_diagnose(a: argparse.Namespace) -> int:
-    import os
+def _ints(text: str) -> list[int]:
+    return sorted({int(x) for x in text.split(",") if x.strip()})
 
-    from minillm.core.records import as_steps, load_input
-    from minillm.loadgen.server_api import diagnose_server
-    from minillm.metrics.diagnose import diagnose
-    if a.base_url:
-        key = a.api_key or os.environ.get("MINILLM_API_KEY") or os.environ.get("OPENAI_API_KEY")
-        d, fetched = diagnose_server(a.base_url, key, steps=not a.no_steps)
-        if a.save:
-            Path(a.save).write_text(json.dumps(fetched), encoding="utf-8")
-            print(f"saved {len(fetched['traces'])} traces and {len(fetched['steps'])} step records to {a.save}",
-                  file=sys.stderr)
-    else:
-        if a.save:
-            raise ValueError("--save goes with --base-url (a --traces file is saved already)")
-        traces, steps = load_input(a.traces)
-        if a.steps:
-            steps = as_steps(json.loads(Path(a.steps).read_text(encoding="utf-8")))
-        d = diagnose(traces, [] if a.no_steps else steps)
-    print(json.dumps(d.to_dict(), indent=1) if a.json else d.text())
-    return 0
+
+def _add_experiment_parsers(sub) -> None:
+    pd = sub.add_parser("prefill-decode", help="10.4's reference run: prefill against decode on one roofline, "
+                                               "the stall and the chunk trade-off, one JSON with provenance")
+    pd.add_argument("--model")
+    pd.add_argument("--device")
+    pd.add_argument("--dtype")
+    pd.add_argument("--lengths", type=_ints, help="prefill prompt lengths, e.g. 16,32,...,8192")
+    pd.add_argument("--batches", type=_ints, help="decode batches (default 1,2,4,8,16,32,48,64)")
+    pd.add_argument("--context", type=int, help="decode context per sequence (default 128 CPU, 512 GPU)")
+    pd.add_argument("--repeats", type=int, default=3)
+    pd.add_argument("--steps", type=int, default=10)
+    pd.add_argument("--no-cuda-graphs", action="store_true")
+    pd.add_argument("--copy-mib", type=int, help="size of the bandwidth copy (default: past the last-level cache)")
+    pd.add_argument("--matmul-n", type=int, help="size of the peak matmul (default 8192 CUDA, 2048 CPU)")
+    pd.add_argument("--stall-long", type=int, help="the long prompt (default 2048 CPU, 4096 GPU; 0: no stall runs)")
+    pd.add_argument("--n-short", type=int, default=8)
+    pd.add_argument("--budgets", type=_ints, default=[64, 128, 256, 512, 1024, 2048])
+    pd.add_argument("--out", default="runs/prefill-decode", help="folder for the JSON")
+    pd.set_defaults(fn=c.cmd_prefill_decode)
+    o = sub.add_parser("outside-reference", help="10.5's GPU reference run: eager against CUDA graphs, sampling, "
+                                                 "profile_steps and the step phases, one JSON each")
+    o.add_argument("--out", required=True, help="folder for the JSON files")
+    o.add_argument("--models", default="tiny,llama-3.1-8b", help="graphs comparison and phases (comma-separated)")
+    o.add_argument("--batches", default="1,8,64", help="graphs comparison batches")
+    o.add_argument("--context", type=int, default=512)
+    o.add_argument("--steps", type=int, default=30)
+    o.add_argument("--vocabs", default="8192,128256", help="sampling vocabularies")
+    o.add_argument("--sampling-batches", default="1,2,4,8,16,32,64")
+    o.add_argument("--only", default="graphs,sampling,profile,phases", help="which parts: graphs,sampling,profile,phases")
+    o.add_argument("--profile-model", default="tiny", help="the model profile_steps runs (batch 1)")
+    o.add_argument("--profile-top", type=int, default=10, help="rows of the profile's op table")
+    o.add_argument("--allow-cpu", action="store_true", help="a dry run on a CPU (skips graphs)")
+    o.set_defaults(fn=c.cmd_outside_reference)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's own errors (a bad int, an unknown flag) are one line and exit status 2 too,
+    like every other bad input, instead of a screenful of usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see: {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="python -m minillm", description=__doc__)
+    ap = _Parser(prog="python -m minillm", description="minillm: a small inference engine and the measurements of a chapter on the lifecycle of an inference request. `python -m minillm roofline` is the main job.")
     sub = ap.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="stream one completion and print TTFT, TPOT, tok/s, bandwidth")
@@ -363,8 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", help="a stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--tokenizer", default=None, help="a tokenizer directory (default: the model's, or the shipped BPE)")
-    _add_engine_args(g, _GENERATE_ENGINE)
-    g.set_defaults(fn=cmd_generate)
+    _add_engine_args(g, c.GENERATE_ENGINE)
+    g.set_defaults(fn=c.cmd_generate)
 
     b = sub.add_parser("bench", help="batch-1 decode tok/s and achieved bandwidth, minillm vs transformers")
     _add_model_args(b, default_model="cpu-small")
@@ -381,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--rounds", type=int, default=5, help="--peers: rounds, each running every engine once")
     b.add_argument("--gguf", default=None, help="--peers: write the converted GGUF here and keep it (default: a temp file)")
     b.add_argument("--json", default=None, help="also write the report as JSON here")
-    b.set_defaults(fn=cmd_bench)
+    b.set_defaults(fn=c.cmd_bench)
 
     r = sub.add_parser("roofline", help="decode tok/s against batch size beside the bandwidth/compute bounds (10.3)")
     _add_model_args(r, default_model=None)
@@ -394,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--out", default="runs", help="directory for the JSON and CSV")
     r.add_argument("--figures", default=None, help="directory for the figure (default: runs/figures/ under the working directory, or $MINILLM_FIGURES_DIR; --figures figures/ writes the committed one)")
     r.add_argument("--reference", action="append", help="a reference run's JSON to overlay (repeatable)")
-    r.set_defaults(fn=cmd_roofline)
+    r.set_defaults(fn=c.cmd_roofline)
 
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (gateway, SSE streaming, traces)")
     _add_model_args(s)
@@ -425,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--torch-threads", type=int, default=None,
                    help="torch intra-op threads (default: one per core; on few cores, leave one to HTTP)")
     _add_engine_args(s)
-    s.set_defaults(fn=cmd_serve)
+    s.set_defaults(fn=c.cmd_serve)
 
     h = sub.add_parser("bench-http", help="HTTP + SSE overhead: TTFT and ITL through `serve` minus in-process (10.1)")
     _add_model_args(h)
@@ -438,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--torch-threads", type=int, default=None,
                    help="torch intra-op threads on both sides (default: torch's, one per core)")
     h.add_argument("--json", default=None, help="also write the report (with every sample) as JSON here")
-    h.set_defaults(fn=cmd_bench_http)
+    h.set_defaults(fn=c.cmd_bench_http)
 
     e = sub.add_parser("bench-engine", help="the stall under prefill-first vs chunked, prefix cache cold vs warm, "
                                             "packed vs padded prefill (10.4, 10.6)")
@@ -451,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--prefix-prompt", type=int, default=1024, help="tokens of the prompt timed cold and warm")
     e.add_argument("--repeats", type=int, default=3)
     e.add_argument("--json", default=None, help="also write the report as JSON here")
-    e.set_defaults(fn=cmd_bench_engine)
+    e.set_defaults(fn=c.cmd_bench_engine)
 
     v = sub.add_parser("bench-server", help="requests/s that `serve` sustains (wrk, max_tokens=1) and RSS per "
                                             "1,000 requests, with the trace store's byte bound as given")
@@ -464,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--port", type=int, default=8765)
     v.add_argument("--torch-threads", type=int, default=None)
     v.add_argument("--json", default=None)
-    v.set_defaults(fn=cmd_bench_server)
+    v.set_defaults(fn=c.cmd_bench_server)
 
     bs = sub.add_parser("bench-serve", help="load-test any OpenAI-compatible server: open-loop arrivals, "
                                             "streamed TTFT/TPOT/ICL/E2E, goodput (vLLM bench serve's flags)")
@@ -511,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--report-json", default=None, help="with --report: also write it as JSON here")
     bs.add_argument("--report-figure", default=None, metavar="DIR",
                     help="with --report: also draw it on one page, DIR/10-6-report.png/.svg (+ data/10-6-report.json)")
-    bs.set_defaults(fn=cmd_bench_serve)
+    bs.set_defaults(fn=c.cmd_bench_serve)
 
     bc = sub.add_parser("bench-client", help="requests/s bench-serve itself can issue, against a stub server "
                                              "that answers instantly (beside wrk against the same stub)")
@@ -520,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--rounds", type=int, default=3)
     bc.add_argument("--wrk-duration", type=float, default=5.0, help="seconds of wrk per round")
     bc.add_argument("--json", default=None)
-    bc.set_defaults(fn=cmd_bench_client)
+    bc.set_defaults(fn=c.cmd_bench_client)
 
     bd = sub.add_parser("bench-deceptions", help="10.6's four self-deceptions, each beside its honest twin, "
                                                  "against a fresh minillm serve (or --base-url)")
@@ -534,30 +280,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the closed loop's requests in flight (1: send one, wait, send the next)")
     bd.add_argument("--rate-fraction", type=float, default=0.7, help="open-loop rate, as a fraction of the service rate")
     bd.add_argument("--json", default=None)
-    bd.set_defaults(fn=cmd_bench_deceptions)
+    bd.set_defaults(fn=c.cmd_bench_deceptions)
 
     _add_diagnose_parser(sub)
+    _add_experiment_parsers(sub)
 
     d = sub.add_parser("doctor", help="check dependencies, the torch build and the devices")
-    d.set_defaults(fn=cmd_doctor)
+    d.set_defaults(fn=c.cmd_doctor)
     return ap
 
 
-def main(argv: list[str] | None = None) -> int:
-    try:
-        a = build_parser().parse_args(argv)
-    except SystemExit as e:      # --help (0) or a parse error (2, already reported)
-        return e.code if isinstance(e.code, int) else 2
-    try:
-        return a.fn(a)
-    except (ValueError, FileNotFoundError, OverflowError) as e:
-        # bad input (a model name, a device, a dtype, a port): one clear line, no traceback
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
