@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything GPU-specific in one go (the GPU issue), on one H200. The step timeouts sum to 625 s;
+# Everything GPU-specific in one go (the GPU issue), on one H200. The step timeouts sum to 775 s (a full run took 300 s on the H200);
 # each step writes its results as it goes, and the bundle is rebuilt after every step, so a run
 # cut short still returns what finished. Results go under $OUT when it is set (the device tool),
 # else runs/gpu-check/. The device tool returns at most 8 files: the working files live outside
@@ -11,7 +11,7 @@
 # 0. provenance: GPU name, driver, CUDA, clocks (nvidia-smi), torch/triton/transformers versions
 # 1. doctor (torch build, NVML name/memory/spec bandwidth)
 # 2. the llama-3.1-8b twin in bf16: decode sweep 1 → 256 with CUDA graphs, "ideal" and "served"
-#    (measured read and copy bandwidth, bf16 matmul peak inside)
+#    (measured read and copy bandwidth, bf16 matmul peak inside); then at context 64 up to batch 1024
 # 3. batch-1 engine decode, CUDA graphs on and off (--enforce-eager), against transformers
 # 4. 10.4: prefill sweep to 8192, decode beside it, the stall and the chunk trade-off
 # 5. 10.5: engine decode eager vs graphs at batch 1, 8, 64 (tiny and the 8B twin), sampling at 8k and
@@ -32,6 +32,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"   # runs from the source tre
 PY="${PYTHON:-python3}"
 MODEL="${MODEL:-llama-3.1-8b}"; DTYPE="${DTYPE:-bf16}"; MAXB="${MAXB:-256}"
 LENGTHS="${LENGTHS:-16,64,256,1024,2048,4096,8192}"; STALL="${STALL:-4096}"; ALLOW_CPU="${ALLOW_CPU:-}"
+SHORT_CTX="${SHORT_CTX:-64}"; SHORT_MAXB="${SHORT_MAXB:-1024}"
 bundle() {   # everything so far, into the (at most 3) files that come back
     tar -czf "$FINAL/gpu-check.tgz" -C "$WORK" all
     cat "$OUT"/*.txt > "$FINAL/gpu-check.txt" 2>/dev/null
@@ -39,7 +40,7 @@ bundle() {   # everything so far, into the (at most 3) files that come back
     return 0
 }
 step() { bundle; echo; echo "=== $* ($(date +%T))"; }
-# ONLY="roofline bench ...": run just those steps (provenance, doctor, roofline, bench, bench-eager, prefill,
+# ONLY="roofline bench ...": run just those steps (provenance, doctor, roofline, roofline-short, bench, bench-eager, prefill,
 # outside, profile, compile); OUTSIDE_MODELS, OUTSIDE_ONLY and BENCH_HF=--no-transformers narrow them
 want() { [[ -z "${ONLY:-}" || " $ONLY " == *" $1 "* ]]; }
 OUTSIDE_MODELS="${OUTSIDE_MODELS:-tiny,$MODEL}"; OUTSIDE_ONLY="${OUTSIDE_ONLY:-graphs,sampling,profile,phases}"
@@ -67,6 +68,16 @@ step "roofline sweep: $MODEL $DTYPE, batches 1..$MAXB, CUDA graphs on, ideal + s
 if want roofline; then
 timeout 150 $PY -m minillm roofline --model "$MODEL" --dtype "$DTYPE" --max-batch "$MAXB" --context 512 \
     --steps 8 --out "$OUT" --figures "$OUT" 2>&1 | tee "$OUT/roofline.txt"
+fi
+
+step "roofline sweep at a short context: $MODEL $DTYPE, context ${SHORT_CTX}, batches 1..${SHORT_MAXB}"
+if want roofline-short; then
+# At context 512 the first run found no knee up to batch 256: the K/V read grows with B as fast as
+# the weights' share shrinks (KV-aware B* 1,157). With a short context the K/V read stays small,
+# so the step should turn compute-bound near the no-KV B* (~190 on the H200): the knee itself.
+mkdir -p "$OUT/short"
+timeout 150 $PY -m minillm roofline --model "$MODEL" --dtype "$DTYPE" --max-batch "$SHORT_MAXB" \
+    --context "$SHORT_CTX" --steps 8 --out "$OUT/short" --figures "$OUT/short" 2>&1 | tee "$OUT/roofline-short.txt"
 fi
 
 step "batch-1 engine decode: CUDA graphs, then --enforce-eager (and transformers once)"

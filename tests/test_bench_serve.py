@@ -573,8 +573,8 @@ def test_tokenizer_counts_a_server_without_usage():
 
 
 def test_progress_bar_and_sweep(server, capsys):
-    from minillm.loadgen.bench_serve import run_sweep, sweep_configs, sweep_row, sweep_table
-    res = run_sweep(_cfg(server.url, num_prompts=4, progress=True), concurrencies=[1, 3])
+    from minillm.loadgen.bench_serve import run_rate_sweep, sweep_configs, sweep_row, sweep_table
+    res = run_rate_sweep(_cfg(server.url, num_prompts=4, progress=True), concurrencies=[1, 3])
     assert [r.config.max_concurrency for r in res] == [1, 3]
     assert all(math.isinf(r.config.request_rate) and r.n_ok == 4 for r in res)
     rows = [sweep_row(r) for r in res]
@@ -611,9 +611,9 @@ def test_drawn_and_completion_rates_tell_whether_the_server_kept_up():
     from minillm.loadgen.bench_serve import (
         BenchResult,
         RequestRecord,
-        completion_rate,
         drawn_rate,
         kept_up,
+        served_completion_rate,
     )
     from minillm.metrics.definitions import ClientRecord, summarize
 
@@ -627,10 +627,10 @@ def test_drawn_and_completion_rates_tell_whether_the_server_kept_up():
         return BenchResult(cfg, "m", recs, [], summarize([client_request_metrics(r.record) for r in recs]), {})
 
     steady = result([i + 0.5 for i in range(10)])              # each done 0.5 s after its arrival
-    assert drawn_rate(steady) == pytest.approx(1.0) and completion_rate(steady) == pytest.approx(1.0)
+    assert drawn_rate(steady) == pytest.approx(1.0) and served_completion_rate(steady) == pytest.approx(1.0)
     assert kept_up(steady) is True
     assert steady.summary.requests_s == pytest.approx(10 / 9.5)  # N over first send → last completion
     growing = result([0.5 + 1.5 * i for i in range(10)])        # the queue grows: one done per 1.5 s
-    assert completion_rate(growing) == pytest.approx(1 / 1.5) and kept_up(growing) is False
+    assert served_completion_rate(growing) == pytest.approx(1 / 1.5) and kept_up(growing) is False
     closed = result([i + 0.5 for i in range(10)], rate=math.inf)
     assert drawn_rate(closed) is None and kept_up(closed) is None

@@ -72,5 +72,5 @@ def test_the_older_helpers_share_the_definition():
     from minillm.bench import sweep
     from minillm.experiments import outside_steps, prefill_decode
     assert outside_steps.NOISY_SPREAD == sweep.NOISY_SPREAD == prefill_decode.NOISY_SPREAD == busy.NOISY_SPREAD
-    w = outside_steps.noisy_warning({"steady": [1.0] * 5, "jumpy": [1.0, 1.0, 5.0, 1.0, 9.0]})
+    w = outside_steps.phase_noise_warning({"steady": [1.0] * 5, "jumpy": [1.0, 1.0, 5.0, 1.0, 9.0]})
     assert w.startswith("WARNING") and "jumpy" in w and "steady" not in w

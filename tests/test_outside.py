@@ -26,7 +26,7 @@ from minillm.experiments.outside_steps import (
     PhaseCase,
     decode_engine,
     measure_step_phases,
-    noisy_warning,
+    phase_noise_warning,
     phase_table,
     run_decode_steps,
 )
@@ -75,8 +75,8 @@ def test_run_decode_steps_needs_a_running_batch(tiny):
 
 
 def test_noisy_warning_names_the_noisy_series():
-    assert noisy_warning({"steady": [1.0, 1.01, 0.99, 1.0]}) is None
-    w = noisy_warning({"steady": [1.0] * 5, "jumpy": [1.0, 1.0, 5.0, 1.0, 9.0]})
+    assert phase_noise_warning({"steady": [1.0, 1.01, 0.99, 1.0]}) is None
+    w = phase_noise_warning({"steady": [1.0] * 5, "jumpy": [1.0, 1.0, 5.0, 1.0, 9.0]})
     assert w is not None and "jumpy" in w and "steady" not in w
 
 
@@ -258,19 +258,19 @@ def test_graphs_comparison_on_cuda():
 def test_reference_files_round_trip(tmp_path):
     from minillm.cli import main
     from minillm.experiments.outside_graphs import GraphsResult, GraphsRow
-    from minillm.experiments.outside_reference import load_references, write_reference
+    from minillm.experiments.outside_reference import load_outside_references, write_reference
     g = GraphsResult("cuda:0", "H200", "bf16", 4.0e12, "measured read", 512, 30, 5,
                      rows=[GraphsRow("tiny", 1, "eager", 512, step_ms=[1.0], step_ms_median=1.0, tok_s=1000.0,
                                      bound_tok_s=2e5, pct_of_bound=0.005, device_busy=0.1, launches_per_step=300)])
     p = write_reference(tmp_path / "figures" / "reference", "outside-graphs", g.to_dict(), "cpu", "test")
     assert p.name.startswith("outside-graphs-") and p.suffix == ".json"
-    found = load_references(["figures/reference", "runs/reference"], root=tmp_path)
+    found = load_outside_references(["figures/reference", "runs/reference"], root=tmp_path)
     assert set(found) == {"outside-graphs", "outside-sampling", "outside-profile", "outside-phases"}
     (_, doc), = found["outside-graphs"]
     assert doc["provenance"]["command"] == "test" and "host" in doc["provenance"]
     back = GraphsResult.from_dict(doc["result"])
     assert back.get("tiny", 1, "eager").tok_s == 1000.0 and "tiny" in back.table()
-    assert load_references(["nowhere"], root=tmp_path)["outside-phases"] == []
+    assert load_outside_references(["nowhere"], root=tmp_path)["outside-phases"] == []
     with pytest.raises(ValueError):
         write_reference(tmp_path, "outside-nonsense", {}, "cpu")
     if not torch.cuda.is_available():

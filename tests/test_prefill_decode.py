@@ -284,14 +284,14 @@ def test_tradeoff_table_and_figures(llm, result, first, chunked, tmp_path):
 
 
 def test_references_are_found_by_their_name_below_the_roots(tmp_path, result):
-    assert pd.load_references([tmp_path / "missing"]) == []
+    assert pd.load_prefill_decode_references([tmp_path / "missing"]) == []
     d = tmp_path / "h200"
     (d / "raw" / "run1").mkdir(parents=True)
     doc = json.dumps({"roofline": json.loads(json.dumps(result.to_dict()))})
     (d / "prefill-decode-tiny-fp32-cpu.json").write_text(doc)
     (d / "raw" / "run1" / "prefill-decode-tiny-fp32-cpu.json").write_text(doc)   # an archive: not drawn
     (d / "roofline-tiny-fp32-cpu.json").write_text("{}")                          # notebook 03's, not 04's
-    refs = pd.load_references([tmp_path, tmp_path])
+    refs = pd.load_prefill_decode_references([tmp_path, tmp_path])
     assert len(refs) == 1 and refs[0]["roofline"]["model"] == "tiny"
     assert refs[0]["_path"].endswith("h200/prefill-decode-tiny-fp32-cpu.json")
 
@@ -302,7 +302,7 @@ def test_command_line_writes_a_reference_the_figure_can_draw(tmp_path):
     assert main(["prefill-decode", "--model", "tiny", "--device", "cpu", "--dtype", "fp32", "--lengths", "16,32", "--batches", "1,2",
                     "--context", "16", "--repeats", "1", "--steps", "1", "--stall-long", "128", "--n-short", "2",
                     "--budgets", "32,64", "--copy-mib", "4", "--matmul-n", "64", "--out", str(out)]) == 0
-    refs = pd.load_references([out])
+    refs = pd.load_prefill_decode_references([out])
     assert len(refs) == 1
     ref = refs[0]
     assert ref["kind"] == "minillm prefill-decode reference" and ref["roofline"]["model"] == "tiny"

@@ -6,7 +6,7 @@ import json
 
 from minillm.bench.sweep import describe_run, load_result
 from minillm.experiments import prefill_decode as pd
-from minillm.experiments.outside_reference import load_references
+from minillm.experiments.outside_reference import load_outside_references
 from minillm.experiments.references import reference_paths, repository_root
 
 H200 = repository_root() / "figures" / "reference" / "h200"
@@ -41,11 +41,11 @@ def test_the_h200_roofline_reference_is_a_real_gpu_run():
 
 
 def test_the_h200_prefill_decode_and_outside_references_load():
-    refs = [r for r in pd.load_references() if "h200" in r["_path"]]
+    refs = [r for r in pd.load_prefill_decode_references() if "h200" in r["_path"]]
     assert len(refs) == 1 and refs[0]["roofline"]["model"] == "llama-3.1-8b"
     pre = {p["tokens"]: p for p in refs[0]["roofline"]["prefill"]}
     assert 4096 in pre and 8192 in pre
-    found = load_references()
+    found = load_outside_references()
     for kind in ("outside-graphs", "outside-sampling", "outside-phases"):
         (path, doc), = [(p, d) for p, d in found[kind] if p.parent == H200]
         assert "NVIDIA H200" in doc["provenance"]["hardware"], kind

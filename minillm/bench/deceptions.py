@@ -146,7 +146,7 @@ def closed_vs_open(cfg: BenchConfig, concurrency: int = 1, burstiness: float = 1
         {"matched_rate_rps": rate, "concurrency": concurrency})
 
 
-def measure_service_rate(cfg: BenchConfig, concurrency: int = 8) -> float:
+def measure_server_service_rate(cfg: BenchConfig, concurrency: int = 8) -> float:
     """Completed requests/s of a closed loop with ``concurrency`` in flight: roughly the most this
     server sustains for this workload. Rates for a sweep are offered as fractions of it, so the
     sweep fits the machine instead of a number typed in for another one."""
@@ -190,7 +190,7 @@ def latency_vs_rate(cfg: BenchConfig, fractions: Sequence[float] = (0.25, 0.5, 0
     own achieved rate because it never lets the queue form."""
     if not fractions or any(not f > 0 for f in fractions):
         raise ValueError(f"fractions must be > 0, got {list(fractions)}")
-    mu = service_rate or measure_service_rate(cfg, concurrency=max(concurrency, 8))
+    mu = service_rate or measure_server_service_rate(cfg, concurrency=max(concurrency, 8))
     results = [run_bench(replace(cfg, request_rate=f * mu, max_concurrency=None)) for f in sorted(fractions)]
     closed = run_bench(replace(cfg, request_rate=math.inf, max_concurrency=concurrency))
     rows = [sweep_row(r) for r in results]
@@ -335,7 +335,7 @@ def run_benchmark(model: str = "cpu-small", num_prompts: int = 40, input_len: in
         cfg = BenchConfig(base_url=url, api_key=key, num_prompts=num_prompts, random_input_len=input_len,
                           random_output_len=output_len, ignore_eos=True, tokenizer=tokenizer, timeout_s=600)
         cold = cold_vs_warm(replace(cfg, max_concurrency=1), n_cold=min(num_prompts, 8))
-        mu = measure_service_rate(cfg, concurrency=max(8, concurrency))
+        mu = measure_server_service_rate(cfg, concurrency=max(8, concurrency))
         open_cfg = replace(cfg, request_rate=rate_fraction * mu, warmup=2)
         pairs = [cold, fixed_vs_lognormal(open_cfg), closed_vs_open(replace(cfg, warmup=2), concurrency),
                  unique_vs_repeated(replace(cfg, max_concurrency=1, warmup=2))]

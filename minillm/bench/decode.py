@@ -61,7 +61,7 @@ def ceiling_lines(bytes_per_step: int, read_bw: float | None, copy_bw: float | N
 
 
 @dataclass
-class BenchReport:
+class DecodeReport:
     model: str
     device: str
     dtype: str
@@ -195,7 +195,7 @@ def run_decode_benchmark(model: str = "cpu-small", device: str | None = None, dt
                          prompt_tokens: int = 32, new_tokens: int = 64, repeats: int = 3,
                          compare_transformers: bool = True, copy_bytes: int | None = None,
                          enforce_eager: bool = False, compile: bool = False,
-                         read_bytes: int | None = None) -> BenchReport:
+                         read_bytes: int | None = None) -> DecodeReport:
     """``enforce_eager``: no CUDA graphs for the engine's decode (on a CPU nothing changes).
     ``compile``: minillm decodes through ``torch.compile`` (its compile time is reported, and
     paid in the warm-up, before anything is timed). ``read_bytes``: the read-bandwidth buffer
@@ -221,7 +221,7 @@ def run_decode_benchmark(model: str = "cpu-small", device: str | None = None, dt
         theirs = _after_collecting(lambda: _transformers_decode_tok_s(hf, prompt, new_tokens, dev), repeats)
         results.append(summarise("transformers", theirs, bytes_step))
     compile_s = sum(llm.engine.runner.compile_s.values()) if compile else None
-    return BenchReport(str(model), str(dev), dtype_name(dt), prompt_tokens, new_tokens, repeats,
+    return DecodeReport(str(model), str(dev), dtype_name(dt), prompt_tokens, new_tokens, repeats,
                        copy_bw, bytes_step, results, read_bw=read_bw,
                        step_read_bw=step_read.value if step_read else 0.0,
                        compile_s=compile_s)

@@ -24,9 +24,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
 import re
-import socket
 import statistics
 import sys
 import time
@@ -37,7 +35,7 @@ from typing import Callable
 import torch
 
 import minillm.perf.roofline as rf
-from minillm.core.device import dtype_bytes, dtype_name, free_memory_bytes, synchronize
+from minillm.core.device import dtype_bytes, dtype_name, free_memory_bytes, is_oom, synchronize
 from minillm.core.trace import Trace
 from minillm.engine.sampling import SamplingParams
 from minillm.engine.sequence import Sequence, Status
@@ -47,6 +45,7 @@ from minillm.hardware.machine import (
     measure_matmul_peak,
     measure_read_bandwidth,
 )
+from minillm.hardware.provenance import RunProvenance
 from minillm.hardware.quiet import NOISY_SPREAD as _NOISY_SPREAD
 from minillm.model.config import PRESETS
 
@@ -157,15 +156,7 @@ class BatchResult:
 
 
 @dataclass
-class SweepResult:
-    model: str
-    dtype: str
-    device: str
-    hardware: dict
-    host: str
-    torch_version: str
-    python: str
-    command: str
+class SweepResult(RunProvenance):
     context: int
     warmup: int
     steps: int
@@ -411,10 +402,6 @@ def _fill_derived(r: BatchResult, cfg, nbytes: int, bw: float, peak: float) -> N
         r.served_gap = r.served_ms_median / r.engine_ms_median
 
 
-def _is_oom(e: BaseException) -> bool:
-    return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "out of memory" in str(e).lower()
-
-
 def run_sweep(model: str | None = None, device: str | None = None, dtype: str | None = None,
               batches: list[int] | None = None, context: int | None = None, warmup: int = 3, steps: int = 10,
               cuda_graphs: bool = True, measure_ceilings: bool = True, progress: bool = True,
@@ -478,7 +465,7 @@ def run_sweep(model: str | None = None, device: str | None = None, dtype: str | 
             r = measure_batch(engine, b, context, warmup, steps, cuda_graphs, served)
             _fill_derived(r, cfg, nbytes, bw, peak)
         except Exception as e:      # one batch failing must not end the sweep
-            if not _is_oom(e):
+            if not is_oom(e):
                 r = BatchResult(b, f"error: {type(e).__name__}: {e}", context)
             else:
                 r = BatchResult(b, "oom", context)
@@ -499,9 +486,8 @@ def run_sweep(model: str | None = None, device: str | None = None, dtype: str | 
     fit = rf.knee_fit([r.batch for r in ok], [r.forward_ms_median for r in ok])
     knee = fit.knee
     return SweepResult(
-        model=str(model), dtype=dtype_name(dt), device=str(dev), hardware=_hw_dict(hw),
-        host=socket.gethostname(), torch_version=torch.__version__, python=platform.python_version(),
-        command=command or "minillm.bench.sweep.run_sweep(...)", context=context, warmup=warmup, steps=steps,
+        **RunProvenance.here(str(model), dtype_name(dt), str(dev), hw, command or "minillm.bench.sweep.run_sweep(...)"),
+        context=context, warmup=warmup, steps=steps,
         cuda_graphs=bool(cuda_graphs and dev.type == "cuda"), ceilings=ceil,
         model_bytes=rf.weight_bytes(cfg, nbytes), config=cfg.to_dict(),
         predicted_crossover=rf.crossover_batch(cfg, nbytes, bw, peak, 0),
@@ -509,12 +495,6 @@ def run_sweep(model: str | None = None, device: str | None = None, dtype: str | 
         measured_knee=knee, batches=results,
         started=time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t_start)),
         duration_s=time.time() - t_start, knee_note=fit.reason)
-
-
-def _hw_dict(hw) -> dict:
-    d = asdict(hw)
-    d["summary"] = hw.summary()
-    return d
 
 
 # ---------------------------------------------------------------------------- reading a run

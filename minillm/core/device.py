@@ -148,3 +148,9 @@ def default_server_threads(device: str | None) -> int | None:
     except ValueError:
         return None            # LLM(...) reports the bad device with its own message
     return max(1, cpu_cores() - 1)
+
+
+def is_oom(e: BaseException) -> bool:
+    """Whether ``e`` is the device (or the host) running out of memory: a batch that does not fit is
+    reported as such and a sweep goes on."""
+    return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "out of memory" in str(e).lower()

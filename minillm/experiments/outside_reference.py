@@ -53,7 +53,7 @@ def write_reference(out_dir: str | Path, kind: str, result: dict, device, comman
     return path
 
 
-def load_references(dirs: list[str | Path] | tuple = REFERENCE_DIRS, root: str | Path | None = None
+def load_outside_references(dirs: list[str | Path] | tuple = REFERENCE_DIRS, root: str | Path | None = None
                     ) -> dict[str, list[tuple[Path, dict]]]:
     """Every ``outside-*.json`` below ``dirs`` (relative to ``root``, default the repository; ``raw``
     archives skipped), by kind: ``{kind: [(path, {"kind", "provenance", "result"}), ...]}``.

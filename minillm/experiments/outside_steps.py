@@ -251,9 +251,9 @@ def load_warning(threshold: float = 0.5) -> str | None:
     return None if w is None else "WARNING: " + w
 
 
-def noisy_warning(samples: dict[str, list[float]], spread: float = NOISY_SPREAD, max_named: int = 6) -> str | None:
+def phase_noise_warning(samples: dict[str, list[float]], spread: float = NOISY_SPREAD, max_named: int = 6) -> str | None:
     """A warning naming the series whose p90/p10 exceeds ``spread`` (the first ``max_named``), else
-    None (:func:`minillm.hardware.quiet.noisy_warning`)."""
+    None, prefixed "WARNING: " (:func:`minillm.hardware.quiet.noisy_warning`)."""
     from minillm.hardware.quiet import noisy_warning as _noisy
     w = _noisy(samples, spread, max_named)
     return None if w is None else "WARNING: " + w

@@ -50,8 +50,6 @@ from __future__ import annotations
 
 import math
 import os
-import platform
-import socket
 import statistics
 import sys
 import time
@@ -62,7 +60,7 @@ from pathlib import Path
 import torch
 
 import minillm.perf.roofline as rf
-from minillm.core.device import cpu_cores, dtype_bytes, dtype_name
+from minillm.core.device import cpu_cores, dtype_bytes, dtype_name, is_oom
 from minillm.experiments.stall import chunk_tradeoff, stall_setup
 from minillm.hardware.machine import (
     describe_hardware,
@@ -70,6 +68,7 @@ from minillm.hardware.machine import (
     measure_matmul_peak,
     measure_read_bandwidth,
 )
+from minillm.hardware.provenance import RunProvenance
 from minillm.hardware.quiet import NOISY_SPREAD as _NOISY_SPREAD
 from minillm.hardware.quiet import median_p10_p90
 from minillm.perf.prefill import bandwidth_words, prefill_bytes, prefill_flops
@@ -130,15 +129,7 @@ def _fill(row: RooflineRow, flops: int, bytes_: int, bw: float, peak: float) -> 
 
 
 @dataclass
-class PrefillDecodeResult:
-    model: str
-    dtype: str
-    device: str
-    hardware: dict
-    host: str
-    torch_version: str
-    python: str
-    command: str
+class PrefillDecodeResult(RunProvenance):
     config: dict
     ceilings: dict                          # bandwidth (B/s, read), copy_bandwidth, peak_flops (FLOP/s), samples
     ridge_point: float                      # I* = peak / bandwidth, FLOP/byte
@@ -249,10 +240,6 @@ def _engine(llm, **options):
     return LLMEngine(llm.model, llm.tokenizer, cfg)
 
 
-def _is_oom(e: BaseException) -> bool:
-    return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "out of memory" in str(e).lower()
-
-
 def measure_prefill(engine, tokens: int, repeats: int = 3, warmup: int = 1, seed: int = 0) -> RooflineRow:
     """Prefill one request of ``tokens`` unique prompt tokens, ``warmup + repeats`` times, each in
     one engine step (the step budget is raised to hold the whole prompt). The forward time is the
@@ -343,7 +330,7 @@ def run_prefill_decode(llm=None, model: str | None = None, device: str | None = 
             row = measure_prefill(engine, T, repeats, warmup, seed)
             _fill(row, prefill_flops(cfg, T), prefill_bytes(cfg, nb, T), bw, peak)
         except Exception as e:         # one length failing must not end the sweep
-            row = RooflineRow("prefill", T, 1, T, status="oom" if _is_oom(e) else f"error: {type(e).__name__}: {e}")
+            row = RooflineRow("prefill", T, 1, T, status="oom" if is_oom(e) else f"error: {type(e).__name__}: {e}")
             for rid in list(engine._seqs):
                 engine.abort(rid)
                 engine._seqs.pop(rid, None)
@@ -362,7 +349,7 @@ def run_prefill_decode(llm=None, model: str | None = None, device: str | None = 
             row = RooflineRow("decode", B, B, context, time_ms=list(r.forward_ms), served_ms=list(r.engine_ms))
             _fill(row, rf.decode_step_flops(cfg, B, context), rf.decode_step_bytes(cfg, nb, B, context), bw, peak)
         except Exception as e:
-            row = RooflineRow("decode", B, B, context, status="oom" if _is_oom(e) else f"error: {type(e).__name__}: {e}")
+            row = RooflineRow("decode", B, B, context, status="oom" if is_oom(e) else f"error: {type(e).__name__}: {e}")
         finally:
             del eng
             if dev.type == "cuda":
@@ -376,11 +363,10 @@ def run_prefill_decode(llm=None, model: str | None = None, device: str | None = 
     if bar is not None:
         bar.close()
 
-    from minillm.bench.sweep import _hw_dict
     return PrefillDecodeResult(
-        model=llm.model_name, dtype=dtype_name(dt), device=str(dev), hardware=_hw_dict(hw),
-        host=socket.gethostname(), torch_version=torch.__version__, python=platform.python_version(),
-        command=command or "minillm.experiments.prefill_decode.run_prefill_decode(...)", config=cfg.to_dict(),
+        **RunProvenance.here(llm.model_name, dtype_name(dt), str(dev), hw,
+                             command or "minillm.experiments.prefill_decode.run_prefill_decode(...)"),
+        config=cfg.to_dict(),
         ceilings=ceil, ridge_point=rf.ridge_point(peak, bw), decode_context=context,
         prefill=prefill_rows, decode=decode_rows,
         settings={"lengths": lengths, "batches": batches, "repeats": repeats, "warmup": warmup, "steps": steps,
@@ -436,7 +422,7 @@ def roof_reached_at(result: PrefillDecodeResult | dict, fraction: float = 0.8) -
 
 # ----------------------------------------------------------------------------- references
 
-def load_references(roots: Sequence[str | Path] | None = None, base: str | Path | None = None) -> list[dict]:
+def load_prefill_decode_references(roots: Sequence[str | Path] | None = None, base: str | Path | None = None) -> list[dict]:
     """Reference runs (``prefill-decode-*.json``, written by ``python -m minillm prefill-decode``)
     below the reference folders (``minillm.experiments.references``); an empty list when there are none."""
     from minillm.bench.sweep import load_result

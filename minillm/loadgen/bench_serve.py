@@ -811,7 +811,7 @@ def drawn_rate(res: BenchResult) -> float | None:
     return _span_rate([r.scheduled_s for r in res.records])
 
 
-def completion_rate(res: BenchResult) -> float | None:
+def served_completion_rate(res: BenchResult) -> float | None:
     """Completions/s between the first and the last successful completion. Beside the drawn
     rate it says whether the server kept up: equal when it did, lower when its queue grew
     through the run. (Achieved req/s, N over first send → last completion, differs from both on
@@ -821,7 +821,7 @@ def completion_rate(res: BenchResult) -> float | None:
 
 def kept_up(res: BenchResult, tolerance: float = 0.9) -> bool | None:
     """Open loop: did completions keep pace with the drawn arrivals (≥ ``tolerance`` of them)?"""
-    d, c = drawn_rate(res), completion_rate(res)
+    d, c = drawn_rate(res), served_completion_rate(res)
     return None if d is None or c is None else c >= tolerance * d
 
 
@@ -832,7 +832,7 @@ def sweep_row(res: BenchResult) -> dict[str, Any]:
     def ms(x):
         return None if x is None or (isinstance(x, float) and math.isnan(x)) else x * 1e3
     return {"offered_rate": c.request_rate, "max_concurrency": c.max_concurrency,
-            "drawn_rate": drawn_rate(res), "completion_rate": completion_rate(res),
+            "drawn_rate": drawn_rate(res), "completion_rate": served_completion_rate(res),
             "achieved_rate": s.requests_s, "n_ok": s.n_ok, "n_failed": s.n_failed,
             "input_tok_s": s.input_tok_s, "output_tok_s": s.output_tok_s,
             "ttft_p50_ms": ms(s.ttft.p50), "ttft_p99_ms": ms(s.ttft.p99), "tpot_p50_ms": ms(s.tpot.p50),
@@ -854,7 +854,7 @@ def sweep_table(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def run_sweep(cfg: BenchConfig, rates: Sequence[float] | None = None,
+def run_rate_sweep(cfg: BenchConfig, rates: Sequence[float] | None = None,
               concurrencies: Sequence[int] | None = None) -> list[BenchResult]:
     """Each point in turn, against the same server (never two at once: they would share it)."""
     return [run_bench(c) for c in sweep_configs(cfg, rates, concurrencies)]

@@ -226,17 +226,17 @@ def run_in_fresh_loop(make_coroutine, name: str):
 # The benchmark
 # ---------------------------------------------------------------------------------------------
 
-_WORDS = ("the request enters the gateway then waits in the queue until the scheduler gives it a slot "
+_LIFECYCLE_WORDS = ("the request enters the gateway then waits in the queue until the scheduler gives it a slot "
           "prefill reads the whole prompt once and writes the cache decode then produces one token per "
           "step for every running request while the server streams each piece of text back").split()
 
 
-def make_prompts(tokenizer, n: int, prompt_tokens: int, seed: int = 0) -> list[str]:
+def make_text_prompts(tokenizer, n: int, prompt_tokens: int, seed: int = 0) -> list[str]:
     """``n`` different prompts of about ``prompt_tokens`` tokens (unique, as 10.6 asks)."""
     rng = random.Random(seed)
     out = []
     for i in range(n):
-        words = [f"#{i}"] + [rng.choice(_WORDS) for _ in range(prompt_tokens * 2)]
+        words = [f"#{i}"] + [rng.choice(_LIFECYCLE_WORDS) for _ in range(prompt_tokens * 2)]
         ids = tokenizer.encode(" ".join(words), add_special_tokens=False)[:prompt_tokens]
         out.append(tokenizer.decode(ids))
     return out
@@ -450,7 +450,7 @@ def run_http_overhead(model: str = "tiny", device: str | None = "cpu", dtype: st
         srv = _SubprocessServer(["--model", model, "--device", dev, "--dtype", dtype_name(llm.dtype),
                                  "--max-batch-size", str(max_batch_size), "--max-model-len", str(max_model_len),
                                  "--max-queue-depth", "16"], key, torch_threads)
-    prompts = make_prompts(llm.tokenizer, warmup + n_requests, prompt_tokens, seed)
+    prompts = make_text_prompts(llm.tokenizer, warmup + n_requests, prompt_tokens, seed)
     # ignore_eos: both sides produce exactly max_tokens tokens, so the gaps are comparable
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     inproc: list[ClientRecord] = []
