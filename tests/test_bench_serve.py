@@ -11,16 +11,9 @@ import httpx
 import numpy as np
 import pytest
 
-from minillm.loadgen.bench_serve import (
-    BenchConfig,
-    SSEParser,
-    StreamCollector,
-    arrival_schedule,
-    parse_goodput,
-    range_bounds,
-    run_bench,
-    sample_requests,
-)
+from minillm.loadgen.bench_serve import BenchConfig, parse_goodput, run_bench
+from minillm.loadgen.datasets import arrival_schedule, range_bounds, sample_requests
+from minillm.loadgen.sse import SSEParser, StreamCollector
 from minillm.metrics.definitions import client_request_metrics
 from minillm.serving.server import ServerConfig, ServerThread
 
@@ -505,7 +498,7 @@ def test_lognormal_lengths_have_a_right_tail():
 
 def test_sharegpt_shipped_file_and_tokenizer_counts():
     from minillm.engine.tokenizer import load_tokenizer
-    from minillm.loadgen.bench_serve import SHAREGPT_DEFAULT, count_tokens
+    from minillm.loadgen.datasets import SHAREGPT_DEFAULT, count_tokens
     conv = json.loads(SHAREGPT_DEFAULT.read_text(encoding="utf-8"))
     assert len(conv) >= 20
     reqs = sample_requests(40, "sharegpt", seed=3)                     # cycles past the file's length
@@ -566,14 +559,14 @@ def test_tokenizer_counts_a_server_without_usage():
     from dataclasses import replace
 
     from minillm.engine.tokenizer import load_tokenizer
-    from minillm.loadgen.bench_serve import count_tokens
+    from minillm.loadgen.datasets import count_tokens
     counted = run_bench(replace(cfg, tokenizer="default"), transport=httpx.ASGITransport(app=app))
     n = count_tokens(load_tokenizer("default"), " the queue is long")
     assert n > 3 and counted.summary.output_tokens == 2 * n
 
 
 def test_progress_bar_and_sweep(server, capsys):
-    from minillm.loadgen.bench_serve import run_rate_sweep, sweep_configs, sweep_row, sweep_table
+    from minillm.loadgen.rate_sweep import run_rate_sweep, sweep_configs, sweep_row, sweep_table
     res = run_rate_sweep(_cfg(server.url, num_prompts=4, progress=True), concurrencies=[1, 3])
     assert [r.config.max_concurrency for r in res] == [1, 3]
     assert all(math.isinf(r.config.request_rate) and r.n_ok == 4 for r in res)
@@ -608,13 +601,8 @@ def test_cli_sweep_writes_one_json_per_point_and_a_table(server, tmp_path, capsy
 
 
 def test_drawn_and_completion_rates_tell_whether_the_server_kept_up():
-    from minillm.loadgen.bench_serve import (
-        BenchResult,
-        RequestRecord,
-        drawn_rate,
-        kept_up,
-        served_completion_rate,
-    )
+    from minillm.loadgen.bench_serve import BenchResult, RequestRecord
+    from minillm.loadgen.rate_sweep import drawn_rate, kept_up, served_completion_rate
     from minillm.metrics.definitions import ClientRecord, summarize
 
     def result(done_s: list[float], rate: float = 1.0) -> BenchResult:

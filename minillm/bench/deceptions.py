@@ -28,7 +28,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from minillm.loadgen.bench_serve import BenchConfig, BenchResult, run_bench, sweep_row
+from minillm.loadgen.bench_serve import BenchConfig, BenchResult, run_bench
+from minillm.loadgen.rate_sweep import sweep_row
 
 
 @dataclass(eq=False)

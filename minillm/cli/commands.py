@@ -221,7 +221,8 @@ def _bench_serve_sweep(cfg, a: argparse.Namespace) -> int:
     import time
     from pathlib import Path
 
-    from minillm.loadgen.bench_serve import run_bench, sweep_configs, sweep_row, sweep_table
+    from minillm.loadgen.bench_serve import run_bench
+    from minillm.loadgen.rate_sweep import sweep_configs, sweep_row, sweep_table
     rates = _floats(a.sweep_rate, "--sweep-rate") if a.sweep_rate else None
     concs = [int(c) for c in _floats(a.sweep_concurrency, "--sweep-concurrency")] if a.sweep_concurrency else None
     configs = sweep_configs(cfg, rates, concs)

@@ -28,7 +28,6 @@ The client helpers here (:func:`stream_completion`, :func:`astream_completion`,
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import platform
 import random
@@ -44,6 +43,7 @@ import numpy as np
 
 from minillm.core.trace import Trace, now_ns
 from minillm.loadgen.server_api import fetch_traces
+from minillm.loadgen.sse import StreamCollector
 from minillm.metrics.definitions import ClientRecord, client_request_metrics
 
 TARGET_P50_MS = 3.0
@@ -83,67 +83,40 @@ def _endpoint(base_url: str, chat: bool) -> str:
     return base + ("/chat/completions" if chat else "/completions")
 
 
-def _delta_text(event: dict, chat: bool) -> str:
-    choices = event.get("choices") or []
-    if not choices:
-        return ""
-    c = choices[0]
-    if chat:
-        return (c.get("delta") or {}).get("content") or ""
-    return c.get("text") or ""
-
-
 class _Collector:
-    """Turns SSE lines into a :class:`StreamResult` (shared by the sync and async clients)."""
+    """SSE lines → a :class:`StreamResult` (shared by the sync and async clients). Each ``data:``
+    payload goes to the one stream collector of the project (:class:`~minillm.loadgen.sse.StreamCollector`,
+    also ``bench-serve``'s); this adds the line framing, the event count and the HTTP status."""
 
     def __init__(self, t_sent_ns: int, chat: bool, prompt_tokens: int = 0) -> None:
-        self.t_sent_ns, self.chat = t_sent_ns, chat
-        self.chunks: list[tuple[int, int | None, str]] = []
-        self.text: list[str] = []
-        self.request_id: str | None = None
-        self.finish_reason: str | None = None
-        self.usage: dict[str, int] | None = None
-        self.done = False
-        self.error: str | None = None
-        self.n_events = 0
+        self.events = StreamCollector("?", t_sent_ns, chat)
         self.prompt_tokens = prompt_tokens
+        self.n_events = 0
+
+    @property
+    def done(self) -> bool:
+        return self.events.done
 
     def line(self, line: str, t_ns: int) -> None:
         if not line.startswith("data:"):
             return                                   # blank separators, comments, keep-alives
-        data = line[5:].strip()
         self.n_events += 1
-        if data == "[DONE]":
-            self.done = True
-            return
-        event = json.loads(data)
-        if "error" in event:
-            self.error = str(event["error"].get("message"))
-            return
-        self.request_id = self.request_id or event.get("id")
-        if event.get("usage"):
-            self.usage = event["usage"]
-        choices = event.get("choices") or []
-        if choices and choices[0].get("finish_reason"):
-            self.finish_reason = choices[0]["finish_reason"]
-        text = _delta_text(event, self.chat)
-        if choices:
-            self.chunks.append((t_ns, None, text))
-            self.text.append(text)
+        self.events.event(line[5:].strip(), t_ns)
 
     def result(self, status: int, t_done_ns: int, error: str | None = None, disconnected: bool = False,
                request_id: str | None = None) -> StreamResult:
-        err = error or self.error
-        if status == 200 and not self.done and err is None and not disconnected:
+        ev = self.events
+        err = error or ev.error
+        if status == 200 and not ev.done and err is None and not disconnected:
             err = "the stream ended without [DONE]"
-        rid = self.request_id or request_id or "?"
-        usage = self.usage
-        rec = ClientRecord(request_id=rid, t_sent_ns=self.t_sent_ns, chunks=self.chunks, t_done_ns=t_done_ns,
+        rid = ev.server_id or request_id or "?"
+        usage = ev.usage
+        rec = ClientRecord(request_id=rid, t_sent_ns=ev.t_sent_ns, chunks=ev.chunks, t_done_ns=t_done_ns,
                            prompt_tokens=(usage or {}).get("prompt_tokens", self.prompt_tokens),
                            ok=err is None and not disconnected and status == 200, error=err,
                            completion_tokens=(usage or {}).get("completion_tokens"))
-        return StreamResult(rid if rid != "?" else None, rec, "".join(self.text), self.finish_reason, usage,
-                            self.done, status, err, disconnected, self.n_events)
+        return StreamResult(rid if rid != "?" else None, rec, "".join(ev.text), ev.finish_reason, usage,
+                            ev.done, status, err, disconnected, self.n_events)
 
 
 def stream_completion(client, base_url: str, body: dict[str, Any], api_key: str | None = None,
