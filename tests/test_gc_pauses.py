@@ -3,15 +3,12 @@ step records that carry them, and `minillm serve`'s frozen start-up heap."""
 from __future__ import annotations
 
 import gc
-import os
-import subprocess
-import sys
 
 import httpx
 import pytest
 
 from minillm.engine.gc_pauses import GC_CLOCK, GcClock
-from minillm.loadgen.server_load import _stop, _wait_up
+from minillm.loadgen.serve_process import ServeProcess
 
 
 def test_the_clock_counts_a_collection():
@@ -83,19 +80,14 @@ def test_a_collection_inside_a_step_lands_in_its_record():
 def test_serve_freezes_its_start_up_heap(tmp_path):
     """`minillm serve` owns its process: after loading it freezes what is alive, and says so in
     /v1/server-info; a full collection there then walks only what came later."""
-    from minillm.serving.server import free_port
-    port = free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with open(tmp_path / "err.txt", "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "minillm", "serve", "--model", "tiny", "--device", "cpu",
-                                 "--port", str(port), "--max-model-len", "128"],
-                                stdout=subprocess.DEVNULL, stderr=err, env=env)
+    srv = ServeProcess(["--model", "tiny", "--device", "cpu", "--max-model-len", "128"], auth=False,
+                       stderr_path=tmp_path / "err.txt")
     try:
-        url = f"http://127.0.0.1:{port}"
-        try:
-            _wait_up(url, proc)
-        except (RuntimeError, TimeoutError) as e:
-            raise AssertionError((tmp_path / "err.txt").read_text()) from e
+        srv.start()
+    except (RuntimeError, TimeoutError) as e:
+        raise AssertionError((tmp_path / "err.txt").read_text()) from e
+    try:
+        url = srv.url
         info = httpx.get(url + "/v1/server-info", timeout=10).json()
         assert info["gc_frozen_objects"] > 10_000, info     # torch and the app: hundreds of thousands
         r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=60)
@@ -103,7 +95,7 @@ def test_serve_freezes_its_start_up_heap(tmp_path):
         steps = httpx.get(url + "/v1/steps", timeout=10).json()["data"]
         assert steps and all(s["gc_ms"] >= 0 for s in steps)
     finally:
-        _stop(proc)
+        srv.stop()
     assert "froze" in (tmp_path / "err.txt").read_text()
 
 

@@ -30,6 +30,7 @@ from typing import Any
 
 from minillm.loadgen.bench_serve import BenchConfig, BenchResult, run_bench
 from minillm.loadgen.rate_sweep import sweep_row
+from minillm.loadgen.serve_process import ServeProcess
 
 
 @dataclass(eq=False)
@@ -284,47 +285,6 @@ def run_all(cfg: BenchConfig, concurrency: int = 4) -> list[DeceptionPair]:
 
 # ---------------------------------------------------------------------------------------------
 # The benchmark: all four pairs against a fresh `minillm serve` (its own process)
-class ServeProcess:
-    """``with ServeProcess("cpu-small") as (url, key):`` — a fresh ``minillm serve`` in a child
-    process (its own GIL and its CPU thread default, as a deployment has), stopped on exit."""
-
-    def __init__(self, model: str, port: int | None = None, extra: Sequence[str] = ()) -> None:
-        import os
-        import socket
-        self.model, self.extra = model, list(extra)
-        if port is None:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-        self.port, self.key, self.proc = port, "sk-deceptions-" + os.urandom(6).hex(), None
-
-    def __enter__(self) -> tuple[str, str]:
-        import subprocess
-        import sys
-
-        from minillm.loadgen.server_load import _wait_up
-        cmd = [sys.executable, "-m", "minillm", "serve", "--model", self.model, "--port", str(self.port),
-               "--api-key", self.key, "--log-level", "warning", *self.extra]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        url = f"http://127.0.0.1:{self.port}"
-        try:
-            _wait_up(url, self.proc)
-        except Exception:
-            self.__exit__()
-            raise
-        return url, self.key
-
-    def __exit__(self, *exc) -> None:
-        import signal
-        import subprocess
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-
-
 def run_benchmark(model: str = "cpu-small", num_prompts: int = 40, input_len: int = 256, output_len: int = 32,
                   concurrency: int = 1, rate_fraction: float = 0.7, base_url: str | None = None,
                   api_key: str | None = None, tokenizer: str | None = "default") -> dict[str, Any]:
@@ -332,7 +292,9 @@ def run_benchmark(model: str = "cpu-small", num_prompts: int = 40, input_len: in
     here unless ``base_url`` points at one); the other three follow on the now-warm server, at
     ``rate_fraction`` of its measured service rate (open-loop runs) so the load fits the machine."""
     import contextlib
-    with (ServeProcess(model) if base_url is None else contextlib.nullcontext((base_url, api_key))) as (url, key):
+    server = ServeProcess(["--model", model, "--log-level", "warning"]) if base_url is None else None
+    with server or contextlib.nullcontext():
+        url, key = (server.url, server.key) if server else (base_url, api_key)
         cfg = BenchConfig(base_url=url, api_key=key, num_prompts=num_prompts, random_input_len=input_len,
                           random_output_len=output_len, ignore_eos=True, tokenizer=tokenizer, timeout_s=600)
         cold = cold_vs_warm(replace(cfg, max_concurrency=1), n_cold=min(num_prompts, 8))

@@ -32,7 +32,6 @@ import os
 import platform
 import random
 import shlex
-import subprocess
 import sys
 import threading
 import time
@@ -42,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from minillm.core.trace import Trace, now_ns
+from minillm.loadgen.serve_process import ServeProcess
 from minillm.loadgen.server_api import fetch_traces
 from minillm.loadgen.sse import StreamCollector
 from minillm.metrics.definitions import ClientRecord, client_request_metrics
@@ -348,43 +348,6 @@ def ttft_split(records: list[ClientRecord], traces: dict[str, Trace]) -> dict[st
     return {k: {"p50": _q(v, 50), "p99": _q(v, 99), "n": len(v)} for k, v in parts.items() if v}
 
 
-class _SubprocessServer:
-    """``python -m minillm serve`` in its own process, as it would run in production."""
-
-    def __init__(self, args: list[str], api_key: str, torch_threads: int | None = None) -> None:
-        from minillm.serving.server import free_port
-        self.port = free_port()
-        env = {**os.environ, "MINILLM_API_KEY": api_key}     # a key in argv would show in `ps`
-        threads = ["--torch-threads", str(torch_threads)] if torch_threads else []
-        self.cmd = [sys.executable, "-m", "minillm", "serve", "--port", str(self.port), *args, *threads]
-        self.proc = subprocess.Popen(self.cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def wait_ready(self, timeout: float = 180.0) -> None:
-        import httpx
-        t_end = time.monotonic() + timeout
-        while time.monotonic() < t_end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited ({self.proc.returncode}): {self.proc.stderr.read()[-2000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError("the server did not come up")
-
-    def stop(self) -> None:
-        import signal
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)       # uvicorn's clean shutdown
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-
-
 def run_http_overhead(model: str = "tiny", device: str | None = "cpu", dtype: str | None = "fp32",
                       n_requests: int = 50, prompt_tokens: int = 32, max_tokens: int = 32, warmup: int = 5,
                       mode: str = "subprocess", max_batch_size: int = 8, max_model_len: int = 512,
@@ -420,9 +383,9 @@ def run_http_overhead(model: str = "tiny", device: str | None = "cpu", dtype: st
                                         api_keys=[key], max_batch_size=max_batch_size,
                                         max_model_len=max_model_len, max_queue_depth=16)).start()
     else:
-        srv = _SubprocessServer(["--model", model, "--device", dev, "--dtype", dtype_name(llm.dtype),
-                                 "--max-batch-size", str(max_batch_size), "--max-model-len", str(max_model_len),
-                                 "--max-queue-depth", "16"], key, torch_threads)
+        srv = ServeProcess(["--model", model, "--device", dev, "--dtype", dtype_name(llm.dtype),
+                            "--max-batch-size", str(max_batch_size), "--max-model-len", str(max_model_len),
+                            "--max-queue-depth", "16"], key, torch_threads=torch_threads).launch()
     prompts = make_text_prompts(llm.tokenizer, warmup + n_requests, prompt_tokens, seed)
     # ignore_eos: both sides produce exactly max_tokens tokens, so the gaps are comparable
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)

@@ -12,15 +12,14 @@ each request costs in memory, measured from outside the server process.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from minillm.loadgen.serve_process import ServeProcess
 
 WRK_LUA = """
 wrk.method = "POST"
@@ -65,31 +64,6 @@ def _rss_mb(pid: int) -> float:
     return int(re.search(r"VmRSS:\s+(\d+) kB", text).group(1)) / 1024
 
 
-def _wait_up(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
-    import httpx
-    t_end = time.monotonic() + timeout
-    while time.monotonic() < t_end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with status {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError("the server did not come up")
-
-
-def _stop(proc: subprocess.Popen, timeout: float = 30) -> None:
-    """Terminate a server process; kill it if it has not exited within ``timeout`` s."""
-    proc.terminate()
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 def _send(url: str, key: str, n: int, concurrency: int = 16) -> None:
     """n short requests (closed loop, ``concurrency`` at a time) for the memory rounds."""
     import asyncio
@@ -122,20 +96,15 @@ def run_server_load(model: str = "tiny", connections: int = 16, duration_s: floa
                     trace_store_bytes: int = 64 << 20, port: int = 8765, torch_threads: int | None = None) -> ServerLoad:
     wrk = shutil.which("wrk")
     res = ServerLoad(model, connections, duration_s, wrk, trace_store_bytes=trace_store_bytes)
-    key = "sk-bench-" + os.urandom(6).hex()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "minillm", "serve", "--model", model, "--port", str(port), "--api-key", key,
-           "--log-level", "warning", "--trace-store-bytes", str(trace_store_bytes)]
-    if torch_threads:
-        cmd += ["--torch-threads", str(torch_threads)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        _wait_up(url, proc)
+    srv = ServeProcess(["--model", model, "--log-level", "warning", "--trace-store-bytes", str(trace_store_bytes)],
+                       port=port, torch_threads=torch_threads)
+    with srv:
+        url, key, pid = srv.url, srv.key, srv.proc.pid
         _send(url, key, 200)                                          # warm-up
-        res.rss_mb.append(_rss_mb(proc.pid))
+        res.rss_mb.append(_rss_mb(pid))
         for _ in range(rounds):
             _send(url, key, 1000)
-            res.rss_mb.append(_rss_mb(proc.pid))
+            res.rss_mb.append(_rss_mb(pid))
         if wrk:
             body = json.dumps({"prompt": "hello", "max_tokens": 1})
             with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
@@ -143,6 +112,4 @@ def run_server_load(model: str = "tiny", connections: int = 16, duration_s: floa
             out = subprocess.run([wrk, "-t", "1", "-c", str(connections), "-d", f"{duration_s:g}s", "--latency",
                                   "-s", f.name, url + "/v1/completions"], capture_output=True, text=True, check=True)
             res.requests_per_s, res.latency_p50_ms, res.latency_p99_ms, res.non_2xx = _parse_wrk(out.stdout)
-    finally:
-        _stop(proc)
     return res
