@@ -28,8 +28,8 @@ import torch
 from minillm.core.step_record import OUTSIDE_PHASES, PHASES, StepRecord
 from minillm.engine.sampling import SamplingParams, make_generator
 from minillm.hardware.quiet import NOISY_SPREAD  # p90/p10 above which a case is flagged
+from minillm.metrics.findings import CHAPTER_OUTSIDE_SHARE
 
-CHAPTER_OUTSIDE_SHARE = 0.30          # the chapter's "about 30 %" of a step spent outside the forward
 PHASE_LABELS = {"schedule": "schedule", "prepare": "prepare inputs", "forward_issue": "forward issue",
                 "device": "device (wait)", "sample": "sample", "output": "output processing"}
 

@@ -24,7 +24,7 @@ The verdict is one line, then the evidence::
     print(d.text())                      # "verdict: starts late: queue (p99 TTFT 1.84 s, 91 % of it queue)"
     d.to_dict()                          # the same, as JSON-safe data
 
-From a terminal (``python -m minillm diagnose``, see :func:`add_diagnose_parser`)::
+From a terminal (``python -m minillm diagnose``)::
 
     python -m minillm diagnose --base-url http://127.0.0.1:8000 --api-key $MINILLM_API_KEY
     python -m minillm diagnose --traces traces.json --json
@@ -36,8 +36,6 @@ its "data" list>}``, which is what ``--save`` writes.
 """
 from __future__ import annotations
 
-import math
-from bisect import bisect_left
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Sequence
@@ -53,68 +51,23 @@ from minillm.metrics.definitions import (
     request_metrics,
     summarize,
 )
-
-# Import light on purpose: the CLI builds this command's parser for every command (`doctor` too), so
-# nothing here may import torch at module level; 10.5's phase names are the step record's.
-CHAPTER_OUTSIDE_SHARE = 0.30   # = minillm.experiments.outside_steps.CHAPTER_OUTSIDE_SHARE (a test keeps them equal)
-
-START_LATE, STUTTERS, OUTSIDE = "starts late", "stutters", "outside the device"
-HEALTHY, NO_DATA = "healthy", "no data"
-PREFILL_CAUSE = "another request's prefill"
-NO_PREFILL_CAUSE = "pauses without a prefill inside"
-GC_CAUSE = "Python's garbage collector"
-# Stages in which the request waits rather than being worked on (10.1): what a burst inflates.
-_WAIT_STAGES = ("queue",)
-# Stages before the engine sees the request and after it is done with it: the server's own time.
-_FRONT_STAGES = ("gateway", "body", "tokenize")
-_STAGE_HINT = {
-    "queue": "it waited for a place in the running batch: a burst, or too little capacity "
-             "(max_batch_size, replicas); admission control or chunked prefill shorten the wait (10.1, 10.4)",
-    "prefill": "its own prompt's forward pass: a long prompt, or a prefill step shared with long prompts; "
-               "prefix caching helps repeated prefixes, chunked prefill protects the others, not this one (10.4)",
-    "gateway": "the server's front end before the engine: auth, rate limits, admission (10.1)",
-    "body": "receiving and parsing the request body (10.1, 10.5)",
-    "tokenize": "tokenizing the prompt on the host (10.5)",
-    "first_token": "sampling the first token and copying it to the host after the prefill (10.5)",
-}
-
-
-@dataclass(frozen=True)
-class Thresholds:
-    """The rules, as ratios. Why these values:
-
-    * ``tail_ratio`` 3: a p99 three times the p50 is a tail, not noise around the median; the same
-      ratio for TTFT and ITL (10.2: read p99 against p50, never the mean alone).
-    * ``wait_share`` 0.5 and ``wait_steps`` 5: a burst delays *every* request, so TTFT p99/p50 can
-      stay below 3 while the queue is the whole story. The tail also starts late when at least half
-      its TTFT was queueing and that wait is at least 5 decode steps (ITL p50) long: a request that
-      arrives during a step waits for that one step, not for five (10.1).
-    * ``long_gap_ratio`` 3: a gap three times the typical one is a stall a reader notices (10.4).
-    * ``prefill_share`` 0.5: when most long gaps hold another request's prefill, that is their cause.
-    * ``gc_share`` 0.5: when garbage collection fills at least half of the long gaps' excess over
-      the p50 gap, the collector is their cause.
-    * ``outside_share`` 0.30: the chapter's line for time outside the forward (10.5).
-    """
-    tail_ratio: float = 3.0
-    wait_share: float = 0.5
-    wait_steps: float = 5.0
-    long_gap_ratio: float = 3.0
-    prefill_share: float = 0.5
-    gc_share: float = 0.5
-    outside_share: float = CHAPTER_OUTSIDE_SHARE
-
-
-@dataclass
-class Finding:
-    """One of the three checks. ``lost_s`` is the time the requests lost to it beyond the typical
-    (Σ of excess over the p50), the common currency that ranks the two symptoms."""
-    check: str                     # START_LATE | STUTTERS | OUTSIDE
-    fired: bool
-    cause: str | None              # a stage, PREFILL_CAUSE, "host phases", ... (None: nothing to name)
-    headline: str                  # the verdict line, if this finding wins
-    lost_s: float = 0.0
-    evidence: list[str] = field(default_factory=list)
-    numbers: dict[str, Any] = field(default_factory=dict)
+from minillm.metrics.findings import (
+    FRONT_STAGES,
+    HEALTHY,
+    NO_DATA,
+    OUTSIDE,
+    STAGE_HINT,
+    START_LATE,
+    STUTTERS,
+    WAIT_STAGES,
+    Finding,
+    Thresholds,
+    fmt_pct,
+    fmt_time,
+    json_safe,
+    ratio_or_inf,
+)
+from minillm.metrics.stutter import check_stutter
 
 
 @dataclass
@@ -152,34 +105,7 @@ class Diagnosis:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-safe data (NaN and infinities become None)."""
-        return _clean(asdict(self))
-
-
-# ---------------------------------------------------------------------------------------------
-# Formatting
-def _t(seconds: float | None) -> str:
-    """A duration the way a person reads it: 812.3 ms, 1.84 s."""
-    if seconds is None or not math.isfinite(seconds):
-        return "-"
-    return f"{seconds:.2f} s" if abs(seconds) >= 1 else f"{seconds * 1e3:.1f} ms"
-
-
-def _pct(x: float) -> str:
-    return f"{100 * x:.0f} %"
-
-
-def _ratio(a: float, b: float) -> float:
-    return a / b if b > 0 else (math.inf if a > 0 else 1.0)
-
-
-def _clean(x: Any) -> Any:
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {str(k): _clean(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_clean(v) for v in x]
-    return x
+        return json_safe(asdict(self))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,8 +150,8 @@ def _tail_breakdown(done: Sequence[RequestMetrics], ttft_floor: float) -> dict[s
 
 
 def _stage_line(label: str, rid: str, ttft_s: float, bd: dict[str, float]) -> str:
-    parts = ", ".join(f"{st} {_t(v)}" for st, v in bd.items() if v > 0) or "no stage recorded"
-    return f"{label} ({rid}, TTFT {_t(ttft_s)}): {parts}"
+    parts = ", ".join(f"{st} {fmt_time(v)}" for st, v in bd.items() if v > 0) or "no stage recorded"
+    return f"{label} ({rid}, TTFT {fmt_time(ttft_s)}): {parts}"
 
 
 def _queue_evidence(done: Sequence[RequestMetrics], by_id: dict[str, Trace],
@@ -233,7 +159,7 @@ def _queue_evidence(done: Sequence[RequestMetrics], by_id: dict[str, Trace],
     depths = [int(e.extra["queue_depth"]) for m in done for e in by_id[m.request_id]
               if e.event == "enqueued" and "queue_depth" in e.extra]
     starts = sorted(m.t_start_ns for m in done)
-    lines = [f"{len(done)} requests arrived within {_t((starts[-1] - starts[0]) / 1e9)} of each other"]
+    lines = [f"{len(done)} requests arrived within {fmt_time((starts[-1] - starts[0]) / 1e9)} of each other"]
     if depths:
         lines.append(f"up to {max(depths)} requests were waiting at once (queue depth at `enqueued`)")
     if steps:
@@ -272,196 +198,34 @@ def check_start(done: Sequence[RequestMetrics], s: Summary, by_id: dict[str, Tra
     total = sum(tail.values())
     stage = max(STAGES, key=lambda st: tail[st])
     share = tail[stage] / total if total > 0 else 0.0
-    ratio = _ratio(s.ttft.p99, s.ttft.p50)
-    wait = sum(tail[st] for st in _WAIT_STAGES)
+    ratio = ratio_or_inf(s.ttft.p99, s.ttft.p50)
+    wait = sum(tail[st] for st in WAIT_STAGES)
     scale = _step_scale(s, done)
     by_tail = ratio >= th.tail_ratio
     by_wait = total > 0 and wait / total >= th.wait_share and wait >= th.wait_steps * scale
     lost = sum(max(0.0, m.ttft_s - s.ttft.p50) for m in with_bd)
-    evidence = [f"TTFT p50 {_t(s.ttft.p50)}, p99 {_t(s.ttft.p99)} ({ratio:.1f}× p50), max {_t(s.ttft.max)} "
+    evidence = [f"TTFT p50 {fmt_time(s.ttft.p50)}, p99 {fmt_time(s.ttft.p99)} ({ratio:.1f}× p50), max {fmt_time(s.ttft.max)} "
                 f"over {s.ttft.count} requests",
                 _stage_line("p50 request", rid50, ttft_of[rid50], bd50),
                 _stage_line("p99 request", rid99, ttft_of[rid99], bd99)]
     if 1 < len(tail_ids) < len(with_bd):
-        evidence.append(f"the {len(tail_ids)} requests at or above p99: {_pct(share)} of their TTFT in {stage}")
+        evidence.append(f"the {len(tail_ids)} requests at or above p99: {fmt_pct(share)} of their TTFT in {stage}")
     if by_wait and not by_tail:
-        evidence.append(f"every request waits: the tail queued {_t(wait)} ({_pct(wait / total)} of its TTFT), "
-                        f"{_ratio(wait, scale):.0f} decode steps of {_t(scale)}")
+        evidence.append(f"every request waits: the tail queued {fmt_time(wait)} ({fmt_pct(wait / total)} of its TTFT), "
+                        f"{ratio_or_inf(wait, scale):.0f} decode steps of {fmt_time(scale)}")
     if by_tail or by_wait:
-        evidence.append(f"{stage}: {_STAGE_HINT[stage]}")
+        evidence.append(f"{stage}: {STAGE_HINT[stage]}")
         if stage == "queue":
             evidence += _queue_evidence(done, by_id, steps)
         elif stage == "prefill":
             evidence += _prefill_evidence(done, by_id, tail_ids)
     return Finding(START_LATE, by_tail or by_wait, stage,
-                   f"{START_LATE}: {stage} (p99 TTFT {_t(s.ttft.p99)}, {_pct(share)} of it {stage})",
+                   f"{START_LATE}: {stage} (p99 TTFT {fmt_time(s.ttft.p99)}, {fmt_pct(share)} of it {stage})",
                    lost, evidence,
                    {"ttft_p50_s": s.ttft.p50, "ttft_p99_s": s.ttft.p99, "ttft_ratio": ratio,
                     "p50_request": rid50, "p99_request": rid99, "breakdown_p50_s": bd50, "breakdown_p99_s": bd99,
                     "tail_requests": tail_ids, "tail_breakdown_s": tail, "dominant_stage": stage,
-                    "dominant_share": share, "queue_steps": _ratio(wait, scale)})
-
-
-# ---------------------------------------------------------------------------------------------
-# 2. Stutters (10.2, 10.4)
-@dataclass(frozen=True)
-class Gap:
-    """One inter-token gap of one request, with what ran inside it."""
-    request_id: str
-    index: int                     # the gap before token `index`
-    t0_ns: int
-    t1_ns: int
-    prefills: tuple[str, ...] = ()  # other requests whose prefill (a chunk of it) overlaps the gap
-    prefill_steps: int = 0          # step records with prefill tokens inside the gap
-    prefill_tokens: int = 0         # their prefill tokens
-    gc_ms: float = 0.0              # garbage collection in the step records inside the gap
-
-    @property
-    def gap_s(self) -> float:
-        return (self.t1_ns - self.t0_ns) / 1e9
-
-    @property
-    def holds_prefill(self) -> bool:
-        return bool(self.prefills) or self.prefill_steps > 0
-
-
-@dataclass(frozen=True)
-class _Interval:
-    start: int
-    end: int
-    owner: str
-    tokens: int
-    gc_ms: float = 0.0
-
-
-def prefill_intervals(traces: Iterable[Trace]) -> list[_Interval]:
-    """Where each request's prefill ran: its ``prefill_chunk`` events ([t_start_ns, t_ns], one per
-    chunk, so chunked prefill gives several short ones), else ``prefill_start`` … ``prefill_end``."""
-    out = []
-    for tr in traces:
-        chunks = [e for e in tr if e.event == "prefill_chunk" and "t_start_ns" in e.extra]
-        if chunks:
-            out += [_Interval(int(e.extra["t_start_ns"]), e.t_ns, tr.request_id, int(e.extra.get("tokens", 0)))
-                    for e in chunks]
-            continue
-        ps, pe = tr.first("prefill_start"), tr.last("prefill_end")
-        if ps is not None and pe is not None:
-            out.append(_Interval(ps.t_ns, pe.t_ns, tr.request_id, int(ps.extra.get("n_tokens", 0))))
-    return sorted(out, key=lambda iv: iv.start)
-
-
-def _step_window(rec: StepRecord) -> tuple[int, int]:
-    """The part of a step that produces its tokens: scheduled → sampled (a token's timestamp is its
-    step's "sampled" mark), so the step that produced a gap's first token does not overlap the gap."""
-    marks = rec.t_ns
-    start = marks[0] if marks else rec.t_start_ns
-    i = PHASES.index("sample")
-    end = marks[i] if len(marks) > i else (marks[-1] if marks else rec.t_start_ns)
-    return start, end
-
-
-def _gc_windows(rec: StepRecord) -> list[_Interval]:
-    """A step's garbage collection, where it delays tokens: up to the sampled mark it delays this
-    step's tokens (the gap that ends there), after it (``gc_output_ms``, the output phase) the
-    next ones (the gap that starts there)."""
-    start, sampled = _step_window(rec)
-    end = rec.t_ns[-1] if rec.t_ns else sampled
-    before = rec.gc_ms - rec.gc_output_ms
-    out = [_Interval(start, sampled, f"step {rec.step}", 0, before)] if before > 0 else []
-    if rec.gc_output_ms > 0:
-        out.append(_Interval(sampled, max(end, sampled + 1), f"step {rec.step}", 0, rec.gc_output_ms))
-    return out
-
-
-def _overlapping(ivs: Sequence[_Interval], starts: list[int], longest: int, t0: int, t1: int) -> list[_Interval]:
-    """Intervals with start < t1 and end > t0 (strict: touching at an end is not overlapping)."""
-    lo = bisect_left(starts, t0 - longest)
-    hi = bisect_left(starts, t1)
-    return [iv for iv in ivs[lo:hi] if iv.end > t0]
-
-
-def gaps_with_prefills(done: Sequence[RequestMetrics], traces: Sequence[Trace], steps: Sequence[StepRecord],
-                       min_gap_s: float = 0.0) -> list[Gap]:
-    """The gaps of ``done`` (the ITL sample, from each request's deliveries) of at least
-    ``min_gap_s``, each marked with the other requests' prefills, the prefill steps and the
-    garbage collection (steps' ``gc_ms``) inside it."""
-    ivs = prefill_intervals(traces)
-    steps_iv = sorted((_Interval(*_step_window(r), f"step {r.step}", r.num_prefill_tokens)
-                       for r in steps if r.num_prefill_tokens > 0), key=lambda iv: iv.start)
-    gc_iv = sorted((iv for r in steps if r.gc_ms > 0 for iv in _gc_windows(r)), key=lambda iv: iv.start)
-    idx = [(v, [iv.start for iv in v], max((iv.end - iv.start for iv in v), default=0))
-           for v in (ivs, steps_iv, gc_iv)]
-    out = []
-    for m in done:
-        times = [t for t, _ in m.deliveries]
-        for k, (a, b) in enumerate(zip(times, times[1:]), start=1):
-            if (b - a) / 1e9 < min_gap_s:
-                continue
-            pre = [iv for iv in _overlapping(*idx[0], a, b) if iv.owner != m.request_id]
-            st = _overlapping(*idx[1], a, b)
-            gc_inside = sum(iv.gc_ms for iv in _overlapping(*idx[2], a, b))
-            out.append(Gap(m.request_id, k, a, b, tuple(sorted({iv.owner for iv in pre})),
-                           len(st), sum(iv.tokens for iv in st), gc_inside))
-    return out
-
-
-def check_stutter(done: Sequence[RequestMetrics], s: Summary, traces: Sequence[Trace],
-                  steps: Sequence[StepRecord], th: Thresholds) -> Finding:
-    itl = s.itl
-    if itl.count == 0:
-        return Finding(STUTTERS, False, None, f"{STUTTERS}: no decode gaps",
-                       evidence=["no request produced two tokens: there is no ITL to read"])
-    threshold = th.long_gap_ratio * itl.p50
-    long = gaps_with_prefills(done, traces, steps, min_gap_s=threshold) if threshold > 0 else []
-    ratio = _ratio(itl.p99, itl.p50)
-    fired = ratio >= th.tail_ratio and bool(long)
-    n_pre = sum(g.holds_prefill for g in long)
-    knows_prefills = bool(steps) or any(tr.first("prefill_start") is not None for tr in traces)
-    lost = sum(g.gap_s - itl.p50 for g in long)
-    gc_s = sum(g.gc_ms for g in long) / 1e3
-    cause = (PREFILL_CAUSE if long and n_pre >= th.prefill_share * len(long)
-             else GC_CAUSE if long and gc_s >= th.gc_share * lost
-             else NO_PREFILL_CAUSE if knows_prefills else "long gaps")
-    evidence = [f"ITL p50 {_t(itl.p50)}, p99 {_t(itl.p99)} ({ratio:.1f}× p50), max {_t(itl.max)} "
-                f"over {itl.count} gaps",
-                f"{len(long)} long gaps (≥ {th.long_gap_ratio:g}× p50 = {_t(threshold)}) in "
-                f"{len({g.request_id for g in long})} of {len(done)} requests"]
-    if long:
-        evidence.append(f"{n_pre} of the {len(long)} long gaps hold another request's prefill"
-                        + (" (from the traces' prefill events and the step records)" if steps
-                           else " (from the traces' prefill events)"))
-        worst = max(long, key=lambda g: g.gap_s)
-        evidence.append(f"longest: {_t(worst.gap_s)} in {worst.request_id} before token {worst.index}"
-                        + (f", holding the prefill of {', '.join(worst.prefills[:3])}" if worst.prefills else "")
-                        + (f"; {worst.prefill_steps} step(s) with {worst.prefill_tokens} prefill tokens inside"
-                           if worst.prefill_steps else ""))
-    if gc_s > 0:
-        evidence.append(f"the garbage collector held the GIL for {_t(gc_s)} of the long gaps' {_t(lost)} beyond "
-                        f"p50 ({_pct(_ratio(gc_s, lost))}; summed gap by gap, from the step records' gc_ms: "
-                        "an upper bound, since an operator already running in C++ goes on)")
-    if not knows_prefills:
-        evidence.append("the traces have no prefill events and no step records were given: "
-                        "what ran inside the gaps is unknown")
-    elif cause == PREFILL_CAUSE:
-        evidence.append("a prefill step makes every decoding request wait for it; chunked prefill splits it "
-                        "into budget-sized chunks that share steps with the decodes (10.4)")
-    elif cause == GC_CAUSE:
-        evidence.append("a full garbage collection holds the GIL: the engine thread's Python stops mid-step; "
-                        "freezing the start-up heap (gc.freeze(), as `minillm serve` does) keeps it short (10.5)")
-    elif long:
-        evidence.append("the long gaps hold no prefill: look at the host (sampling, detokenizing, the "
-                        "server's event loop, the garbage collector, other processes on the machine; 10.5)")
-    headline = (f"{STUTTERS}: {cause} (ITL p99 {_t(itl.p99)} = {ratio:.1f}× p50 {_t(itl.p50)}; "
-                + (f"garbage collection in {_pct(_ratio(gc_s, lost))} of the long gaps' excess)" if cause == GC_CAUSE
-                   else f"{n_pre} of {len(long)} long gaps hold another request's prefill)"))
-    return Finding(STUTTERS, fired, cause if long else None, headline, lost, evidence,
-                   {"itl_p50_s": itl.p50, "itl_p99_s": itl.p99, "itl_max_s": itl.max, "itl_ratio": ratio,
-                    "n_gaps": itl.count, "long_gap_s": threshold, "n_long_gaps": len(long),
-                    "n_long_with_prefill": n_pre,
-                    "long_gaps": [{"request_id": g.request_id, "index": g.index, "gap_s": g.gap_s,
-                                   "prefills": list(g.prefills), "prefill_steps": g.prefill_steps,
-                                   "prefill_tokens": g.prefill_tokens, "gc_ms": g.gc_ms}
-                                  for g in sorted(long, key=lambda g: -g.gap_s)[:20]]})
+                    "dominant_share": share, "queue_steps": ratio_or_inf(wait, scale)})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -498,7 +262,7 @@ def _server_time_split(done: Sequence[RequestMetrics]) -> dict[str, float]:
     outside the engine: the stages before it (gateway, body, tokenize) and the return after the
     last token (detokenizing, streaming, closing). Seconds."""
     served = sum((m.t_end_ns - m.t_start_ns) / 1e9 for m in done)
-    front = {st: sum(m.breakdown.get(st, 0.0) for m in done) for st in _FRONT_STAGES}
+    front = {st: sum(m.breakdown.get(st, 0.0) for m in done) for st in FRONT_STAGES}
     after = sum(max(0, m.t_end_ns - m.deliveries[-1][0]) / 1e9 for m in done if m.deliveries)
     return {"served_s": served, **{f"{k}_s": v for k, v in front.items()}, "return_s": after}
 
@@ -513,8 +277,8 @@ def check_outside(done: Sequence[RequestMetrics], steps: Sequence[StepRecord], t
     trace_share = outside_s / srv["served_s"] if srv["served_s"] > 0 else 0.0
     parts = {_PART_LABEL.get(k[:-2], k[:-2]): v for k, v in srv.items()
              if k != "served_s" and srv["served_s"] > 0 and v / srv["served_s"] >= 0.005}
-    evidence = [f"requests: {_pct(trace_share)} of their time at the server was outside the engine"
-                + (" (" + ", ".join(f"{k} {_pct(v / srv['served_s'])}" for k, v in
+    evidence = [f"requests: {fmt_pct(trace_share)} of their time at the server was outside the engine"
+                + (" (" + ", ".join(f"{k} {fmt_pct(v / srv['served_s'])}" for k, v in
                                     sorted(parts.items(), key=lambda kv: -kv[1])) + ")" if parts else "")]
     numbers: dict[str, Any] = {"trace_outside_share": trace_share, **srv}
     step_share = None
@@ -522,12 +286,12 @@ def check_outside(done: Sequence[RequestMetrics], steps: Sequence[StepRecord], t
         split = host_device_split(steps)
         step_share = split["host_share"]
         shares = split["phase_share"]
-        host_phases = ", ".join(f"{p} {_pct(shares[p])}" for p in sorted(OUTSIDE_PHASES, key=lambda p: -shares[p]))
-        evidence.append(f"steps: {_pct(step_share)} of {len(steps)} steps' time on the host ({host_phases}); "
+        host_phases = ", ".join(f"{p} {fmt_pct(shares[p])}" for p in sorted(OUTSIDE_PHASES, key=lambda p: -shares[p]))
+        evidence.append(f"steps: {fmt_pct(step_share)} of {len(steps)} steps' time on the host ({host_phases}); "
                         f"device {split['device_ms']:.1f} ms of {split['wall_ms']:.1f} ms, from {split['device_from']}")
         if split["gc_ms"] > 0:
             evidence.append(f"garbage collection: {split['gc_ms']:.1f} ms inside the steps "
-                            f"({_pct(split['gc_ms'] / split['wall_ms'] if split['wall_ms'] > 0 else 0.0)} of their time, "
+                            f"({fmt_pct(split['gc_ms'] / split['wall_ms'] if split['wall_ms'] > 0 else 0.0)} of their time, "
                             "counted in whichever phase it interrupted)")
         numbers.update({f"steps_{k}": v for k, v in split.items()})
     else:
@@ -537,12 +301,12 @@ def check_outside(done: Sequence[RequestMetrics], steps: Sequence[StepRecord], t
     by_trace = trace_share >= th.outside_share
     if by_steps and (not by_trace or step_share >= trace_share):
         top = max(OUTSIDE_PHASES, key=lambda p: numbers["steps_phase_share"][p])
-        headline = (f"{OUTSIDE}: host phases ({_pct(step_share)} of step time on the host, most in {top}; "
-                    f"chapter line {_pct(th.outside_share)})")
+        headline = (f"{OUTSIDE}: host phases ({fmt_pct(step_share)} of step time on the host, most in {top}; "
+                    f"chapter line {fmt_pct(th.outside_share)})")
         cause = "host phases"
     else:
         top = max(parts, key=parts.get) if parts else "-"
-        headline = (f"{OUTSIDE}: outside the engine ({_pct(trace_share)} of the requests' time at the server; "
+        headline = (f"{OUTSIDE}: outside the engine ({fmt_pct(trace_share)} of the requests' time at the server; "
                     f"most in {top})")
         cause = "outside the engine"
     if by_steps or by_trace:
@@ -609,10 +373,10 @@ def _verdict(findings: list[Finding], s: Summary) -> tuple[str, str, str | None]
     else:
         start = next(f for f in findings if f.check == START_LATE)
         stutter = next(f for f in findings if f.check == STUTTERS)
-        parts = [f"TTFT p99 {_t(s.ttft.p99)} = {start.numbers.get('ttft_ratio', 1.0):.1f}× p50"]
+        parts = [f"TTFT p99 {fmt_time(s.ttft.p99)} = {start.numbers.get('ttft_ratio', 1.0):.1f}× p50"]
         if "itl_ratio" in stutter.numbers:
-            parts.append(f"ITL p99 {_t(s.itl.p99)} = {stutter.numbers['itl_ratio']:.1f}× p50")
+            parts.append(f"ITL p99 {fmt_time(s.itl.p99)} = {stutter.numbers['itl_ratio']:.1f}× p50")
         if "steps_host_share" in outside.numbers:
-            parts.append(f"{_pct(outside.numbers['steps_host_share'])} of step time on the host")
+            parts.append(f"{fmt_pct(outside.numbers['steps_host_share'])} of step time on the host")
         return f"{HEALTHY}: no tail stands out ({'; '.join(parts)})", HEALTHY, None
     return main.headline, main.check, main.cause

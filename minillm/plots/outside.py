@@ -14,12 +14,12 @@ from pathlib import Path
 
 from minillm.core.step_record import PHASES
 from minillm.experiments.outside_steps import (
-    CHAPTER_OUTSIDE_SHARE,
     OUTSIDE_PHASES,
     PHASE_LABELS,
     PhaseCase,
 )
 from minillm.hardware.quiet import NOISY_SPREAD, spread
+from minillm.metrics.findings import CHAPTER_OUTSIDE_SHARE
 
 # bottom to top: outside the forward first, then the forward
 STACK = (*OUTSIDE_PHASES, *[p for p in PHASES if p not in OUTSIDE_PHASES])
