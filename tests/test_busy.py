@@ -40,7 +40,7 @@ def test_the_warning_fires_on_a_constructed_noisy_result(capsys):
     result = {"batches": [{"batch": 1, "status": "ok", "forward_ms": [17.0, 17.1, 16.9, 17.2]},
                           {"batch": 2, "status": "ok", "forward_ms": [18.0, 72.0, 19.0, 70.0, 18.5]},
                           {"batch": 4, "status": "oom"}]}
-    from minillm.bench.sweep import noisy_batches
+    from minillm.bench.sweep_result import noisy_batches
     assert list(noisy_batches(result)) == [2]
     samples = {f"batch {b['batch']}": b["forward_ms"] for b in result["batches"] if b["status"] == "ok"}
     msgs = busy.warnings_for(busy.machine_busy(load1=3.0, cores=2), samples)

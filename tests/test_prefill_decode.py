@@ -16,7 +16,7 @@ import minillm.perf.roofline as rf
 from minillm import LLM
 from minillm.experiments import prefill_decode as pd
 from minillm.experiments import stall
-from minillm.loadgen.workload import token_gaps
+from minillm.metrics.stutter import token_gaps
 from minillm.model.config import PRESETS, ModelConfig
 from minillm.perf import prefill as pf
 from minillm.plots import prefill_decode as pp
@@ -171,7 +171,7 @@ def test_rows_are_well_formed_with_consistent_units(result, llm):
 
 
 def test_result_round_trips_through_json(result, tmp_path):
-    from minillm.bench.sweep import load_result
+    from minillm.bench.sweep_result import load_result
     p = result.write(tmp_path / "pd.json")
     back = pd.PrefillDecodeResult.from_dict(load_result(p))
     assert back.to_dict() == json.loads(p.read_text())

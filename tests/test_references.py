@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from minillm.bench.sweep import describe_run, load_result
+from minillm.bench.sweep_result import describe_run, load_result
 from minillm.experiments import prefill_decode as pd
 from minillm.experiments.outside_reference import load_outside_references
 from minillm.experiments.references import reference_paths, repository_root

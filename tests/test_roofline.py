@@ -210,7 +210,7 @@ def test_sweep_result_is_well_formed(tiny_sweep):
 
 
 def test_sweep_writes_data_that_loads_back_and_a_figure(tiny_sweep, tmp_path):
-    from minillm.bench.sweep import load_result
+    from minillm.bench.sweep_result import load_result
     from minillm.plots.roofline import save_roofline_figure
     jp, cp = tiny_sweep.write(tmp_path / "runs")
     back = load_result(jp)
@@ -265,7 +265,7 @@ def test_the_bound_uses_the_read_bandwidth(monkeypatch):
 
 
 def test_model_slug_makes_safe_file_names(tmp_path):
-    from minillm.bench.sweep import model_slug, output_stem
+    from minillm.bench.sweep_result import model_slug, output_stem
     ckpt = tmp_path / "My Model.v2"
     ckpt.mkdir()
     assert model_slug("cpu-small") == "cpu-small"
@@ -373,7 +373,7 @@ def _sweep_dict(step_ms, batches=CPU_BATCHES, spread=None):
 
 
 def test_describe_run_says_what_the_data_shows():
-    from minillm.bench.sweep import describe_run
+    from minillm.bench.sweep_result import describe_run
     lines = describe_run(_sweep_dict(CPU_STEP_MS))
     text = " ".join(lines)
     assert "then falls" in lines[0] or "not flat" in lines[0]          # never "stays nearly flat" on this data
@@ -388,7 +388,7 @@ def test_describe_run_and_the_figure_mark_noisy_rows():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from minillm.bench.sweep import describe_run
+    from minillm.bench.sweep_result import describe_run
     from minillm.plots.roofline import plot_roofline
     d = _sweep_dict(CPU_STEP_MS, spread={4: 3.0})
     d.update(model="cpu-small", dtype="fp32", device="cpu", hardware={"name": "test cpu"})

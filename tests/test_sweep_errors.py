@@ -1,7 +1,7 @@
 """A batch that does not fit is reported as such, and the sweep goes on."""
 import torch
 
-from minillm.bench import sweep
+from minillm.bench import sweep, sweep_result
 
 
 def test_oom_batch_is_reported_and_sweep_continues(monkeypatch):
@@ -43,7 +43,7 @@ def test_partial_rows_and_strict_json(tmp_path):
     res.predicted_crossover_kv = math.inf                   # B* can be infinite (KV outgrows compute)
     jp, _ = res.write(tmp_path)
     assert "Infinity" not in jp.read_text()                 # strict JSON for any consumer
-    assert math.isinf(sweep.load_result(jp)["predicted_crossover_kv"])
+    assert math.isinf(sweep_result.load_result(jp)["predicted_crossover_kv"])
 
 
 def test_a_kv_cache_too_small_for_the_sweep_is_oom(monkeypatch):

@@ -25,7 +25,6 @@ from minillm.loadgen.workload import (
     poisson_arrivals,
     run_workload,
     stall_scenario,
-    token_gaps,
 )
 from minillm.metrics.definitions import (
     breakdown_at_percentile,
@@ -33,6 +32,7 @@ from minillm.metrics.definitions import (
     metrics_from_traces,
     request_metrics,
 )
+from minillm.metrics.stutter import token_gaps
 from minillm.plots.metrics import (
     plot_itl_distribution,
     plot_ttft_breakdown,

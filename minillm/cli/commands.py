@@ -83,7 +83,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
 def cmd_roofline(a: argparse.Namespace) -> int:
     import shlex
 
-    from minillm.bench.sweep import default_batches, load_result, parse_batches, run_sweep
+    from minillm.bench.sweep import run_sweep
+    from minillm.bench.sweep_result import default_batches, load_result, parse_batches
     from minillm.plots.figures import figures_dir
     from minillm.plots.roofline import save_roofline_figure
     try:

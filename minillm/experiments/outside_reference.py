@@ -40,7 +40,7 @@ def provenance(device, command: str = "") -> dict:
 
 def write_reference(out_dir: str | Path, kind: str, result: dict, device, command: str = "") -> Path:
     """``{"kind", "provenance", "result"}`` as strict JSON in ``out_dir/<kind>-<gpu>.json``."""
-    from minillm.bench.sweep import dumps_strict
+    from minillm.bench.sweep_result import dumps_strict
     from minillm.hardware.machine import describe_hardware
 
     if kind not in KINDS:
@@ -58,7 +58,7 @@ def load_outside_references(dirs: list[str | Path] | tuple = REFERENCE_DIRS, roo
     """Every ``outside-*.json`` below ``dirs`` (relative to ``root``, default the repository; ``raw``
     archives skipped), by kind: ``{kind: [(path, {"kind", "provenance", "result"}), ...]}``.
     Empty lists when none."""
-    from minillm.bench.sweep import load_result
+    from minillm.bench.sweep_result import load_result
     from minillm.experiments.references import reference_paths
 
     found: dict[str, list[tuple[Path, dict]]] = {k: [] for k in KINDS}

@@ -49,7 +49,6 @@ run with provenance: host, hardware, versions, command, every sample).
 from __future__ import annotations
 
 import math
-import os
 import statistics
 import sys
 import time
@@ -70,7 +69,7 @@ from minillm.hardware.machine import (
 )
 from minillm.hardware.provenance import RunProvenance
 from minillm.hardware.quiet import NOISY_SPREAD as _NOISY_SPREAD
-from minillm.hardware.quiet import median_p10_p90
+from minillm.hardware.quiet import load_average, median_p10_p90
 from minillm.perf.prefill import bandwidth_words, prefill_bytes, prefill_flops
 
 NOISY_SPREAD = _NOISY_SPREAD   # p90 / p10 of a row's repeats above which it is flagged (busy.py)
@@ -178,18 +177,11 @@ class PrefillDecodeResult(RunProvenance):
         return "\n".join(out)
 
     def write(self, path: str | Path) -> Path:
-        from minillm.bench.sweep import dumps_strict
+        from minillm.bench.sweep_result import dumps_strict
         p = Path(path)
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(dumps_strict(self.to_dict()))
         return p
-
-
-def _load_avg() -> float | None:
-    try:
-        return os.getloadavg()[0]
-    except (OSError, AttributeError):
-        return None
 
 
 def busy_warnings(result: PrefillDecodeResult | dict) -> list[str]:
@@ -290,11 +282,12 @@ def run_prefill_decode(llm=None, model: str | None = None, device: str | None = 
     on one model, against ceilings measured first. ``llm``: an ``LLM`` whose model to use (its
     own engine is not touched); else one is built from ``model``/``device``/``dtype`` (the model
     ``sweep.default_model_for`` picks: cpu-small on a CPU, the llama-3.1-8b twin on a big GPU)."""
-    from minillm.bench.sweep import DEFAULT_BATCHES, default_model_for, measure_batch
+    from minillm.bench.sweep import DEFAULT_BATCHES, measure_batch
+    from minillm.bench.sweep_result import default_model_for
     from minillm.core.device import pick_device
     from minillm.engine.llm import LLM
     t_start = time.time()
-    load_before = _load_avg()
+    load_before = load_average()
     if llm is None:
         dev = pick_device(device)
         llm = LLM(model or default_model_for(dev), device=str(dev), dtype=dtype, max_batch_size=1,
@@ -374,7 +367,7 @@ def run_prefill_decode(llm=None, model: str | None = None, device: str | None = 
                   "prefix_caching": False, "unique_prompts": True,
                   "prefill_time": "StepRecord forward_issue + device of the one step holding the prompt",
                   "decode_time": "forward alone on the ideal layout (sweep.measure_batch)"},
-        load={"before": load_before, "after": _load_avg(), "cores": cpu_cores()},
+        load={"before": load_before, "after": load_average(), "cores": cpu_cores()},
         started=time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t_start)), duration_s=time.time() - t_start)
 
 
@@ -425,7 +418,7 @@ def roof_reached_at(result: PrefillDecodeResult | dict, fraction: float = 0.8) -
 def load_prefill_decode_references(roots: Sequence[str | Path] | None = None, base: str | Path | None = None) -> list[dict]:
     """Reference runs (``prefill-decode-*.json``, written by ``python -m minillm prefill-decode``)
     below the reference folders (``minillm.experiments.references``); an empty list when there are none."""
-    from minillm.bench.sweep import load_result
+    from minillm.bench.sweep_result import load_result
     from minillm.experiments.references import REFERENCE_ROOTS, reference_paths
     out = []
     for p in reference_paths("prefill-decode-*.json", tuple(roots or REFERENCE_ROOTS), base):
@@ -447,7 +440,7 @@ def write_reference(out_dir: str | Path = "runs/prefill-decode", model: str | No
     ``python -m minillm prefill-decode``. Returns the file written."""
     import json
 
-    from minillm.bench.sweep import default_model_for, dumps_strict
+    from minillm.bench.sweep_result import default_model_for, dumps_strict
     from minillm.core.device import pick_device
     from minillm.engine.llm import LLM
     from minillm.model.config import PRESETS

@@ -43,6 +43,7 @@ from minillm.metrics.definitions import (
     metrics_from_traces,
     summarize,
 )
+from minillm.metrics.stutter import TokenGap, token_gaps
 from minillm.model.config import DEFAULT_VOCAB
 
 # Ids 0..5 are the special tokens of the shipped tokenizer (<|endoftext|>, <|im_start|>, ...):
@@ -498,45 +499,6 @@ def rate_check(result: WorkloadResult, offered_rps: float, tolerance: float = 0.
         last = float(np.median([m.ttft_s for m in by_arrival[-third:]]))
         growth = last / first if first > 0 else None
     return RateCheck(float(offered_rps), arrived, completion_rate(ms), growth, tolerance)
-
-
-# ---------------------------------------------------------------------------------------------
-# Inter-token gaps and what happened inside them
-@dataclass(frozen=True)
-class TokenGap:
-    """One inter-token gap of one request: from token ``index - 1`` to token ``index``.
-    ``prefills`` names the *other* requests whose whole prefill ran inside this gap."""
-    request_id: str
-    index: int
-    t0_ns: int
-    t1_ns: int
-    prefills: tuple[str, ...] = ()
-
-    @property
-    def gap_s(self) -> float:
-        return (self.t1_ns - self.t0_ns) / 1e9
-
-    @property
-    def stalled(self) -> bool:
-        return bool(self.prefills)
-
-
-def token_gaps(traces: Sequence[Trace]) -> list[TokenGap]:
-    """Every inter-token gap of every request (the ITL sample, token-weighted), each marked
-    with the prefills of other requests that ran between its two tokens (by timestamps:
-    ``t0 ≤ prefill_start`` and ``prefill_end ≤ t1``). A gap that holds one is a stall (10.4)."""
-    prefills = []
-    for tr in traces:
-        ps, pe = tr.first("prefill_start"), tr.first("prefill_end")
-        if ps is not None and pe is not None:
-            prefills.append((tr.request_id, ps.t_ns, pe.t_ns))
-    gaps = []
-    for tr in traces:
-        ts = tr.times("token")
-        for k, (a, b) in enumerate(zip(ts, ts[1:]), start=1):
-            inside = tuple(rid for rid, s, e in prefills if rid != tr.request_id and a <= s and e <= b)
-            gaps.append(TokenGap(tr.request_id, k, a, b, inside))
-    return gaps
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,7 +15,6 @@ from typing import Sequence
 import numpy as np
 
 from minillm.core.trace import Trace
-from minillm.loadgen.workload import token_gaps
 from minillm.metrics.definitions import (
     STAGES,
     RequestMetrics,
@@ -23,6 +22,7 @@ from minillm.metrics.definitions import (
     distribution,
     metrics_from_traces,
 )
+from minillm.metrics.stutter import token_gaps
 
 STAGE_COLORS = {"gateway": "tab:purple", "body": "tab:brown", "tokenize": "tab:olive", "queue": "tab:red",
                 "prefill": "tab:blue", "first_token": "tab:gray"}

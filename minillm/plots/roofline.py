@@ -105,7 +105,7 @@ def _bw_kind(result: dict) -> str:
 
 
 def stamp_of(result: dict) -> str:
-    from minillm.bench.sweep import ceilings_line
+    from minillm.bench.sweep_result import ceilings_line
     hw = result.get("hardware", {})
     return (f"measured {result.get('started', '')} on {hw.get('summary') or hw.get('name') or result['device']}; "
             f"model {result['model']} {result['dtype']}; {ceilings_line(result['ceilings'])}; "
