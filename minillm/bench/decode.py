@@ -13,11 +13,12 @@ import gc
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 
 from minillm.core.device import dtype_bytes, dtype_name, synchronize
+from minillm.core.result import Result
 from minillm.hardware.machine import (
     measure_copy_bandwidth,
     measure_read_bandwidth,
@@ -61,7 +62,7 @@ def ceiling_lines(bytes_per_step: int, read_bw: float | None, copy_bw: float | N
 
 
 @dataclass
-class DecodeReport:
+class DecodeReport(Result):
     model: str
     device: str
     dtype: str
@@ -74,9 +75,6 @@ class DecodeReport:
     read_bw: float = 0.0             # measured, bytes/s (bytes read): the bound
     step_read_bw: float = 0.0        # over a buffer of bytes_per_step, re-read (0: not measured; see hardware)
     compile_s: float | None = None   # minillm with compile=True: its decode buckets' compile time
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
     def table(self) -> str:
         lines = [f"model {self.model} ({self.dtype}) on {self.device}; prompt {self.prompt_tokens} tokens, "

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from minillm.core.result import Result
 from minillm.engine.llm import LLM
 from minillm.engine.sampling import SamplingParams
 from minillm.loadgen.workload import LengthDist, make_prompts, stall_scenario
@@ -36,7 +37,7 @@ class StallRow:
 
 
 @dataclass
-class EngineBench:
+class EngineBench(Result):
     model: str
     device: str
     dtype: str
@@ -49,9 +50,6 @@ class EngineBench:
     packed_ms: list[float] = field(default_factory=list)
     padded_ms: list[float] = field(default_factory=list)
     packed_lengths: list[int] = field(default_factory=list)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
     def table(self) -> str:
         out = [f"engine benchmarks: {self.model} {self.dtype} on {self.device}, {self.torch_threads} torch threads"]

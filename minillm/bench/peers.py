@@ -27,13 +27,14 @@ import math
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from minillm.bench.decode import ceiling_lines
 from minillm.core.device import dtype_bytes, dtype_name, synchronize
+from minillm.core.result import Result
 from minillm.engine.gc_pauses import GC_CLOCK
 from minillm.hardware.machine import (
     measure_copy_bandwidth,
@@ -66,7 +67,7 @@ class PeerResult:
 
 
 @dataclass
-class PeerReport:
+class PeerReport(Result):
     model: str
     device: str
     dtype: str
@@ -79,9 +80,6 @@ class PeerReport:
     threads: int
     peers: list[PeerResult]
     step_read_bw: float = 0.0                    # over a buffer of bytes_per_step, re-read (0: not measured)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
     def get(self, name: str) -> PeerResult:
         return next(p for p in self.peers if p.name == name)

@@ -8,7 +8,7 @@ import json
 import math
 import os
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -141,9 +141,6 @@ class SweepResult(RunProvenance):
     started: str = ""
     duration_s: float = 0.0
     knee_note: str = ""                       # what the knee fit found, or why there is no knee
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
     def write(self, out_dir: str | Path, stem: str | None = None) -> tuple[Path, Path]:
         out = Path(out_dir)

@@ -22,9 +22,11 @@ import platform
 import socket
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
+
+from minillm.core.result import Result
 
 MODES = ("eager", "graphs")
 
@@ -48,7 +50,8 @@ class GraphsRow:
 
 
 @dataclass
-class GraphsResult:
+class GraphsResult(Result):
+    row_type = GraphsRow                  # rows read back by Result.from_dict (not a field)
     device: str
     hardware: str
     dtype: str
@@ -66,15 +69,6 @@ class GraphsResult:
 
     def get(self, model: str, batch: int, mode: str) -> GraphsRow | None:
         return next((r for r in self.rows if (r.model, r.batch, r.mode) == (model, batch, mode)), None)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> GraphsResult:
-        d = dict(d)
-        rows = [GraphsRow(**r) for r in d.pop("rows", [])]
-        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__}, rows=rows)
 
     def table(self) -> str:
         out = [f"engine decode, eager vs CUDA graphs — {self.hardware}, {self.dtype}, context {self.context}, "

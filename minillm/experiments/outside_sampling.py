@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 
 from minillm.core.device import synchronize
+from minillm.core.result import Result
 from minillm.engine.sampling import Sampler, SamplingParams
 
 # The methods compared. Temperature 0.8, top-k 50, top-p 0.9: common chat settings.
@@ -124,7 +125,8 @@ class SamplingRow:
 
 
 @dataclass
-class SamplingBench:
+class SamplingBench(Result):
+    row_type = SamplingRow                  # rows read back by Result.from_dict (not a field)
     device: str
     logits_dtype: str
     hardware: str
@@ -155,16 +157,6 @@ class SamplingBench:
 
     def impls(self) -> list[str]:
         return list(dict.fromkeys(r.impl for r in self.rows))
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> SamplingBench:
-        d = dict(d)
-        rows = [SamplingRow(**r) for r in d.pop("rows", [])]
-        names = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in d.items() if k in names}, rows=rows)
 
     def table(self, impl: str = "batched") -> str:
         """ms per step (median) for ``impl``: one block per vocabulary, methods as columns."""

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from minillm.core.result import Result
 
 ENGLISH = """\
 A request for a language model begins its life at the gateway. The server checks the key that came
@@ -99,7 +101,7 @@ class TokenizerRow:
 
 
 @dataclass
-class TokenizerBench:
+class TokenizerBench(Result):
     hardware: str
     repeats: int
     n_tokens: int
@@ -108,9 +110,6 @@ class TokenizerBench:
 
     def get(self, tokenizer: str, text: str, op: str) -> TokenizerRow | None:
         return next((r for r in self.rows if (r.tokenizer, r.text, r.op) == (tokenizer, text, op)), None)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
     def table(self) -> str:
         out = [f"tokenizer cost, µs per token (median of {self.repeats}; ~{self.n_tokens} tokens per text) "

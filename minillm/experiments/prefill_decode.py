@@ -53,7 +53,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -139,9 +139,6 @@ class PrefillDecodeResult(RunProvenance):
     load: dict = field(default_factory=dict)     # 1-min load average before and after, cores
     started: str = ""
     duration_s: float = 0.0
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> PrefillDecodeResult:

@@ -6,10 +6,11 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 
+from minillm.core.result import Result
 from minillm.hardware.quiet import NOISY_SPREAD, median_p10_p90
 from minillm.perf.prefill import chunk_sizes
 
@@ -54,7 +55,7 @@ def token_steps_of(trace, records) -> list[int]:
 
 
 @dataclass
-class StallRun:
+class StallRun(Result):
     """One run of the stall scenario, as plain data: times in ms from the long request's arrival."""
     policy: str
     budget: int
@@ -73,9 +74,6 @@ class StallRun:
     long_ttft_ms: float
     long_prefill_ms: float                  # prefill_start → prefill_end of the long request
     max_chunk_gap_ms: float                 # the longest decoder gap that holds any chunk of it
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
     @property
     def n_chunks(self) -> int:
@@ -150,15 +148,12 @@ def run_stall(llm, policy: str, budget: int, setup: dict, seed: int = 0) -> Stal
 
 
 @dataclass
-class Tradeoff:
+class Tradeoff(Result):
     """The chunk-budget sweep: the prefill-first run (one whole-prompt step) and a chunked run
     per budget, all on the same scenario."""
     setup: dict
     prefill_first: StallRun
     chunked: list[StallRun]
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
     def table(self) -> str:
         s = self.setup

@@ -7,6 +7,7 @@ import platform
 import socket
 from dataclasses import asdict, dataclass
 
+from minillm.core.result import Result
 from minillm.hardware.machine import HardwareInfo
 
 
@@ -18,7 +19,7 @@ def hardware_dict(hw: HardwareInfo) -> dict:
 
 
 @dataclass
-class RunProvenance:
+class RunProvenance(Result):
     """The first fields of a result (a dataclass inheriting this keeps them first, flat in its JSON)."""
     model: str
     dtype: str

@@ -16,9 +16,10 @@ import re
 import shutil
 import subprocess
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from minillm.core.result import Result
 from minillm.loadgen.serve_process import ServeProcess
 
 WRK_LUA = """
@@ -30,7 +31,7 @@ wrk.body = '%(body)s'
 
 
 @dataclass
-class ServerLoad:
+class ServerLoad(Result):
     model: str
     connections: int
     duration_s: float
@@ -41,9 +42,6 @@ class ServerLoad:
     non_2xx: int = 0
     rss_mb: list[float] = field(default_factory=list)      # after the warm-up, then every 1,000 requests
     trace_store_bytes: int = 0
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
     def table(self) -> str:
         out = [f"serve --model {self.model}: wrk {self.wrk}, {self.connections} connections, {self.duration_s:g} s, "
