@@ -603,7 +603,8 @@ def test_cli_sweep_writes_one_json_per_point_and_a_table(server, tmp_path, capsy
 def test_drawn_and_completion_rates_tell_whether_the_server_kept_up():
     from minillm.loadgen.bench_serve import BenchResult, RequestRecord
     from minillm.loadgen.rate_sweep import drawn_rate, kept_up, served_completion_rate
-    from minillm.metrics.definitions import ClientRecord, summarize
+    from minillm.metrics.definitions import ClientRecord
+    from minillm.metrics.summary import summarize
 
     def result(done_s: list[float], rate: float = 1.0) -> BenchResult:
         recs = []

@@ -68,9 +68,16 @@ def test_measurement_threads_apply_sets_torch(monkeypatch):
         torch.set_num_threads(before)
 
 
-def test_the_older_helpers_share_the_definition():
-    from minillm.bench import sweep
-    from minillm.experiments import outside_steps, prefill_decode
-    assert outside_steps.NOISY_SPREAD == sweep.NOISY_SPREAD == prefill_decode.NOISY_SPREAD == busy.NOISY_SPREAD
+def test_one_spread_test_for_rows_and_summaries():
+    """A row flagged from its samples (noisy_rows) is flagged from its p10/p90 too (too_wide)."""
+    import numpy as np
+
+    from minillm.experiments import outside_steps
+    rows = {"steady": [1.0, 1.02, 0.99, 1.01, 1.0], "jumpy": [1.0, 1.0, 5.0, 1.0, 9.0], "edge": [1.0, 1.0, 1.3, 1.4]}
+    flagged = busy.noisy_rows(rows)
+    for key, xs in rows.items():
+        p10, p90 = np.percentile(xs, [10, 90])
+        assert busy.too_wide(p10, p90) == (key in flagged)
+    assert not busy.too_wide(None, 2.0) and not busy.too_wide(0.0, 2.0)
     w = outside_steps.phase_noise_warning({"steady": [1.0] * 5, "jumpy": [1.0, 1.0, 5.0, 1.0, 9.0]})
     assert w.startswith("WARNING") and "jumpy" in w and "steady" not in w

@@ -21,10 +21,10 @@ LAYERS = [
     "engine",      # scheduler, runner, KV cache, sampling, LLMEngine
     "serving",     # the OpenAI-compatible server and its gateway
     "perf",        # the roofline's formulas and the calculator
+    "plots",       # the chapter's figures, drawn from plain data: they import no benchmark
     "loadgen",     # workloads, arrivals, the streaming client that drives a server
     "bench",       # the benchmark commands: decode, peers, the sweep, the engine, the four deceptions
     "experiments", # what each notebook section measures (10.4's stall, 10.5's outside-the-forward)
-    "plots",       # the chapter's figures
     "doctor",      # the machine check
     "cli",         # every command
     "__main__",

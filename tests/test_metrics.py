@@ -8,19 +8,21 @@ import pytest
 
 from minillm.core.trace import Trace
 from minillm.metrics.definitions import (
-    SLO,
     STAGES,
     ClientRecord,
-    SteadyWindow,
-    breakdown_at_percentile,
     client_request_metrics,
-    distribution,
-    explain_ttft,
     metrics_from_traces,
     request_metrics,
+    ttft_breakdown,
+)
+from minillm.metrics.summary import (
+    SLO,
+    SteadyWindow,
+    breakdown_at_percentile,
+    distribution,
+    explain_ttft,
     summarize,
     to_rows,
-    ttft_breakdown,
 )
 
 MS = 1_000_000

@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 import torch
 
-from minillm.core.step_record import PHASES
+from minillm.core.step_record import OUTSIDE_PHASES, PHASES
 from minillm.engine.sampling import Sampler, SamplingParams
 from minillm.experiments.outside_sampling import (
     METHODS,
@@ -22,7 +22,6 @@ from minillm.experiments.outside_sampling import (
     run_sampling_bench,
 )
 from minillm.experiments.outside_steps import (
-    OUTSIDE_PHASES,
     PhaseCase,
     decode_engine,
     measure_step_phases,
@@ -285,7 +284,7 @@ def test_figures_are_saved_with_their_data(tmp_path, tiny):
     m, tok = tiny
     cases = [measure_step_phases("tiny", batch=b, context=32, steps=3, warmup=1, device="cpu", loaded=m,
                                  tokenizer=tok) for b in (1, 2)]
-    paths = save_step_phases(cases, "stamp", references=[cases[0].to_dict()], out_dir=tmp_path)
+    paths = save_step_phases(cases, "stamp", references=[PhaseCase.from_dict(cases[0].to_dict())], out_dir=tmp_path)
     assert [p.name for p in paths] == ["10-5-step-phases.png", "10-5-step-phases.svg"]
     data = json.loads((tmp_path / "data" / "10-5-step-phases.json").read_text())
     assert len(data["cases"]) == 2 and len(data["references"]) == 1

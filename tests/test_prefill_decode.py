@@ -16,6 +16,7 @@ import minillm.perf.roofline as rf
 from minillm import LLM
 from minillm.experiments import prefill_decode as pd
 from minillm.experiments import stall
+from minillm.metrics.findings import slo_crossing
 from minillm.metrics.stutter import token_gaps
 from minillm.model.config import PRESETS, ModelConfig
 from minillm.perf import prefill as pf
@@ -114,8 +115,8 @@ def test_gaps_by_steps_by_hand():
 
 def test_slo_crossing_and_best_budget():
     budgets, p99 = [64, 128, 256, 512], [10.0, 20.0, 40.0, 80.0]
-    assert stall.slo_crossing(budgets, p99, 30.0) == pytest.approx(2 ** 7.5)    # halfway on log2
-    assert stall.slo_crossing(budgets, p99, 5.0) is None and stall.slo_crossing(budgets, p99, 100.0) is None
+    assert slo_crossing(budgets, p99, 30.0) == pytest.approx(2 ** 7.5)    # halfway on log2
+    assert slo_crossing(budgets, p99, 5.0) is None and slo_crossing(budgets, p99, 100.0) is None
     runs = [{"budget": b, "itl_p99_ms": v} for b, v in zip(budgets, p99)]
     assert stall.largest_budget_within(runs, 30.0) == 128 and stall.largest_budget_within(runs, 1.0) is None
 
@@ -176,7 +177,7 @@ def test_result_round_trips_through_json(result, tmp_path):
     back = pd.PrefillDecodeResult.from_dict(load_result(p))
     assert back.to_dict() == json.loads(p.read_text())
     assert [r.tokens for r in back.prefill] == [16, 64, 128]
-    ratio = pd.cost_ratio(back)
+    ratio = pf.cost_ratio(back)
     assert ratio["decode_b1_over_prefill"] == pytest.approx(result.decode[0].ms_per_token / result.prefill[-1].ms_per_token)
     assert pd.prefill_time_ms(back, 64) == result.prefill[1].time_ms_median
     assert min(r.time_ms_median for r in result.prefill[1:]) <= pd.prefill_time_ms(back, 100) <= \

@@ -26,13 +26,9 @@ from minillm.loadgen.workload import (
     run_workload,
     stall_scenario,
 )
-from minillm.metrics.definitions import (
-    breakdown_at_percentile,
-    distribution,
-    metrics_from_traces,
-    request_metrics,
-)
+from minillm.metrics.definitions import metrics_from_traces, request_metrics
 from minillm.metrics.stutter import token_gaps
+from minillm.metrics.summary import breakdown_at_percentile, distribution
 from minillm.plots.metrics import (
     plot_itl_distribution,
     plot_ttft_breakdown,

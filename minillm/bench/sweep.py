@@ -32,14 +32,9 @@ from typing import Callable
 import torch
 
 import minillm.perf.roofline as rf
-from minillm.bench.sweep_result import (
-    BatchResult,
-    SweepResult,
-    check_writable,
-    default_model_for,
-    json_finite,
-)
+from minillm.bench.sweep_result import BatchResult, SweepResult, check_writable, default_model_for
 from minillm.core.device import dtype_bytes, dtype_name, is_oom, synchronize
+from minillm.core.result import json_finite
 from minillm.core.trace import Trace
 from minillm.engine.sampling import SamplingParams
 from minillm.engine.sequence import Sequence, Status

@@ -5,7 +5,6 @@ and 07 and the figures read them."""
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -15,12 +14,12 @@ import torch
 
 import minillm.perf.roofline as rf
 from minillm.core.device import free_memory_bytes
+from minillm.core.result import dumps_strict, restore_nonfinite
 from minillm.hardware.provenance import RunProvenance
-from minillm.hardware.quiet import NOISY_SPREAD as _NOISY_SPREAD
+from minillm.hardware.quiet import NOISY_SPREAD, too_wide
 from minillm.model.config import PRESETS
 
 DEFAULT_BATCHES = [1, 2, 4, 8, 16, 32, 48, 64]
-NOISY_SPREAD = _NOISY_SPREAD   # p90 / p10 of a row's repeats above which it is flagged (busy.py)
 
 
 def default_batches(max_batch: int = 64) -> list[int]:
@@ -157,7 +156,7 @@ class SweepResult(RunProvenance):
         return jp, cp
 
     def ceilings_line(self) -> str:
-        return ceilings_line(self.ceilings)
+        return rf.ceilings_line(self.ceilings)
 
     def table(self) -> str:
         hdr = (f"{'batch':>5} {'step ms':>9} {'engine ms':>10} {'served ms':>10} {'tok/s/req':>10} {'tok/s agg':>10} "
@@ -168,7 +167,7 @@ class SweepResult(RunProvenance):
                 rows.append(f"{b.batch:>5} {b.status}")
                 continue
             # a wide spread means something else ran on the machine: the median may be off (10.6)
-            flag = " *" if b.forward_ms_p10 and b.forward_ms_p90 / b.forward_ms_p10 > NOISY_SPREAD else ""
+            flag = " *" if too_wide(b.forward_ms_p10, b.forward_ms_p90) else ""
             if flag:
                 noisy.append(b.batch)
             served = f"{b.served_ms_median:>10.2f}" if b.served_ms_median else f"{'-':>10}"
@@ -186,49 +185,8 @@ class SweepResult(RunProvenance):
         return "\n".join(rows)
 
 
-def ceilings_line(c: dict) -> str:
-    """One line naming each ceiling and which one the bound uses (older runs measured only a
-    copy, and drew their bound with it: they are labelled so)."""
-    bw = c.get("bandwidth")
-    if c.get("source") != "measured":
-        return (f"ceilings ({c.get('source', 'unknown')}): bandwidth "
-                f"{bw / 1e9:.1f} GB/s" if bw else f"ceilings: {c.get('source', 'unknown')}")
-    peak = c.get("peak_flops")
-    kind = c.get("bandwidth_kind", "copy")
-    parts = [f"read {c['read_bandwidth'] / 1e9:.1f} GB/s" + (" (the bound's)" if kind == "read" else "")
-             ] if c.get("read_bandwidth") else []
-    copy = c.get("copy_bandwidth") or (bw if kind == "copy" else None)
-    if copy:
-        parts.append(f"copy {copy / 1e9:.1f} GB/s (read + write" + (", the bound's)" if kind == "copy" else ")"))
-    if peak:
-        parts.append(f"matmul {peak / 1e12:.2f} TFLOP/s")
-    return "ceilings (measured): " + ", ".join(parts)
-
-
-_NONFINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
-
-
-def json_finite(o):
-    """Strict JSON has no Infinity/NaN (B* is infinite when KV traffic outgrows compute)."""
-    if isinstance(o, float) and not math.isfinite(o):
-        return str(o)
-    if isinstance(o, dict):
-        return {k: json_finite(v) for k, v in o.items()}
-    if isinstance(o, (list, tuple)):
-        return [json_finite(v) for v in o]
-    return o
-
-
-def dumps_strict(d: dict) -> str:
-    return json.dumps(json_finite(d), indent=1, default=str, allow_nan=False)
-
-
-def _restore(d: dict) -> dict:
-    return {k: _NONFINITE.get(v, v) if isinstance(v, str) else v for k, v in d.items()}
-
-
 def load_result(path: str | Path) -> dict:
-    return json.loads(Path(path).read_text(), object_hook=_restore)
+    return json.loads(Path(path).read_text(), object_hook=restore_nonfinite)
 
 
 # ---------------------------------------------------------------------------- reading a run

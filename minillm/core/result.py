@@ -7,6 +7,8 @@ A result (a benchmark's report, a sweep, one experiment's rows) is a dataclass o
 """
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import asdict, fields
 from typing import Any, ClassVar
 
@@ -24,3 +26,30 @@ class Result:
         if cls.row_type is not None and "rows" in kwargs:
             kwargs["rows"] = [cls.row_type(**r) for r in kwargs["rows"]]
         return cls(**kwargs)
+
+
+NONFINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
+
+
+
+def json_finite(o):
+    """Strict JSON has no Infinity/NaN (B* is infinite when KV traffic outgrows compute)."""
+    if isinstance(o, float) and not math.isfinite(o):
+        return str(o)
+    if isinstance(o, dict):
+        return {k: json_finite(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [json_finite(v) for v in o]
+    return o
+
+
+
+def dumps_strict(d: dict) -> str:
+    """Indented strict JSON (no Infinity/NaN tokens, which other tools' parsers refuse)."""
+    return json.dumps(json_finite(d), indent=1, default=str, allow_nan=False)
+
+
+
+def restore_nonfinite(d: dict) -> dict:
+    """The inverse of :func:`json_finite` on one level of a dict: "inf", "-inf", "nan" back to floats."""
+    return {k: NONFINITE.get(v, v) if isinstance(v, str) else v for k, v in d.items()}

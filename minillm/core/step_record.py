@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass, field
 PHASES = ("schedule", "prepare", "forward_issue", "device", "sample", "output")
 OUTSIDE_PHASES = ("schedule", "prepare", "sample", "output")     # around the model's forward (10.5)
 FORWARD_PHASES = ("forward_issue", "device")
+PHASE_LABELS = {"schedule": "schedule", "prepare": "prepare inputs", "forward_issue": "forward issue",
+                "device": "device (wait)", "sample": "sample", "output": "output processing"}
 
 
 @dataclass

@@ -40,7 +40,7 @@ def provenance(device, command: str = "") -> dict:
 
 def write_reference(out_dir: str | Path, kind: str, result: dict, device, command: str = "") -> Path:
     """``{"kind", "provenance", "result"}`` as strict JSON in ``out_dir/<kind>-<gpu>.json``."""
-    from minillm.bench.sweep_result import dumps_strict
+    from minillm.core.result import dumps_strict
     from minillm.hardware.machine import describe_hardware
 
     if kind not in KINDS:

@@ -25,13 +25,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from minillm.core.step_record import OUTSIDE_PHASES, PHASES, StepRecord
+from minillm.core.step_record import OUTSIDE_PHASES, PHASE_LABELS, PHASES, StepRecord
 from minillm.engine.sampling import SamplingParams, make_generator
 from minillm.hardware.quiet import NOISY_SPREAD  # p90/p10 above which a case is flagged
 from minillm.metrics.findings import CHAPTER_OUTSIDE_SHARE
-
-PHASE_LABELS = {"schedule": "schedule", "prepare": "prepare inputs", "forward_issue": "forward issue",
-                "device": "device (wait)", "sample": "sample", "output": "output processing"}
 
 
 @dataclass

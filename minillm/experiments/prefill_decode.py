@@ -68,11 +68,8 @@ from minillm.hardware.machine import (
     measure_read_bandwidth,
 )
 from minillm.hardware.provenance import RunProvenance
-from minillm.hardware.quiet import NOISY_SPREAD as _NOISY_SPREAD
-from minillm.hardware.quiet import load_average, median_p10_p90
-from minillm.perf.prefill import bandwidth_words, prefill_bytes, prefill_flops
-
-NOISY_SPREAD = _NOISY_SPREAD   # p90 / p10 of a row's repeats above which it is flagged (busy.py)
+from minillm.hardware.quiet import NOISY_SPREAD, load_average, median_p10_p90, too_wide
+from minillm.perf.prefill import bandwidth_words, cost_ratio, prefill_bytes, prefill_flops
 
 # ----------------------------------------------------------------------------- rows and results
 
@@ -110,7 +107,7 @@ class RooflineRow:
 
     @property
     def noisy(self) -> bool:
-        return bool(self.ok and self.time_ms_p10 and self.time_ms_p90 / self.time_ms_p10 > NOISY_SPREAD)
+        return bool(self.ok and too_wide(self.time_ms_p10, self.time_ms_p90))
 
 
 def _fill(row: RooflineRow, flops: int, bytes_: int, bw: float, peak: float) -> RooflineRow:
@@ -174,7 +171,7 @@ class PrefillDecodeResult(RunProvenance):
         return "\n".join(out)
 
     def write(self, path: str | Path) -> Path:
-        from minillm.bench.sweep_result import dumps_strict
+        from minillm.core.result import dumps_strict
         p = Path(path)
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(dumps_strict(self.to_dict()))
@@ -188,7 +185,7 @@ def busy_warnings(result: PrefillDecodeResult | dict) -> list[str]:
     d = result.to_dict() if isinstance(result, PrefillDecodeResult) else result
     out = []
     noisy = [f"{r['phase']} {r['tokens']}" for r in d["prefill"] + d["decode"]
-             if r["status"] == "ok" and r.get("time_ms_p10") and r["time_ms_p90"] / r["time_ms_p10"] > NOISY_SPREAD]
+             if r["status"] == "ok" and too_wide(r.get("time_ms_p10"), r.get("time_ms_p90"))]
     if noisy:
         out.append(f"noisy rows (p90/p10 of the samples > {NOISY_SPREAD}): {', '.join(noisy)}; something else "
                    f"was using the machine, rerun before trusting them")
@@ -197,7 +194,7 @@ def busy_warnings(result: PrefillDecodeResult | dict) -> list[str]:
         xs = d.get("ceilings", {}).get(key) or []
         if len(xs) >= 3:
             _, p10, p90 = median_p10_p90(list(xs))
-            if p90 / p10 > NOISY_SPREAD:
+            if too_wide(p10, p90):
                 out.append(f"the {what} samples spread ×{p90 / p10:.1f} (p90/p10): the ceilings themselves are noisy")
     load, cores = d.get("load", {}).get("before"), d.get("load", {}).get("cores")
     if load is not None and cores and load > cores:
@@ -368,22 +365,6 @@ def run_prefill_decode(llm=None, model: str | None = None, device: str | None = 
         started=time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t_start)), duration_s=time.time() - t_start)
 
 
-def cost_ratio(result: PrefillDecodeResult | dict) -> dict | None:
-    """How many prefill tokens cost as much time as one decode token: decode ms/token at batch 1
-    (and at the largest batch) ÷ prefill ms/token at the longest measured prompt."""
-    d = result.to_dict() if isinstance(result, PrefillDecodeResult) else result
-    pre = [r for r in d["prefill"] if r["status"] == "ok"]
-    dec = [r for r in d["decode"] if r["status"] == "ok"]
-    if not pre or not dec:
-        return None
-    p, d1, dm = pre[-1], dec[0], dec[-1]
-    return {"prefill_tokens": p["tokens"], "prefill_ms_per_token": p["ms_per_token"],
-            "decode_b1_ms_per_token": d1["ms_per_token"], "batch": dm["batch"],
-            "decode_bmax_ms_per_token": dm["ms_per_token"],
-            "decode_b1_over_prefill": d1["ms_per_token"] / p["ms_per_token"],
-            "decode_bmax_over_prefill": dm["ms_per_token"] / p["ms_per_token"]}
-
-
 def prefill_time_ms(result: PrefillDecodeResult | dict, tokens: int) -> float | None:
     """The measured prefill forward time at ``tokens``: the row itself, or log-log interpolation
     between the two nearest measured lengths (None outside the measured range)."""
@@ -437,8 +418,9 @@ def write_reference(out_dir: str | Path = "runs/prefill-decode", model: str | No
     ``python -m minillm prefill-decode``. Returns the file written."""
     import json
 
-    from minillm.bench.sweep_result import default_model_for, dumps_strict
+    from minillm.bench.sweep_result import default_model_for
     from minillm.core.device import pick_device
+    from minillm.core.result import dumps_strict
     from minillm.engine.llm import LLM
     from minillm.model.config import PRESETS
     dev = pick_device(device)

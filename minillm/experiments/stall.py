@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from minillm.core.result import Result
-from minillm.hardware.quiet import NOISY_SPREAD, median_p10_p90
+from minillm.hardware.quiet import NOISY_SPREAD, median_p10_p90, too_wide
 from minillm.perf.prefill import chunk_sizes
 
 # ----------------------------------------------------------------------------- the stall, step by step
@@ -186,7 +186,7 @@ def stall_warnings(runs: Sequence[StallRun | dict], spike: float = 3.0) -> list[
         if len(before) >= 3:
             m, p10, p90 = median_p10_p90(before)
             med[tag] = m
-            if p90 / p10 > NOISY_SPREAD:
+            if too_wide(p10, p90):
                 out.append(f"{tag}: decode steps before the arrival spread ×{p90 / p10:.1f} (p90/p10)")
         spikes = []
         for rows in {s["decode_rows"] for s in decode}:
@@ -228,17 +228,6 @@ def chunk_tradeoff(llm, budgets: Sequence[int], setup: dict, warmup: bool = True
     first = run_stall(llm, "prefill-first", max(2048, setup["long_prompt_len"]), setup, seed)
     runs = [run_stall(llm, "chunked", int(b), setup, seed) for b in sorted(budgets)]
     return Tradeoff(dict(setup), first, runs)
-
-
-def slo_crossing(budgets: Sequence[float], values: Sequence[float], slo: float) -> float | None:
-    """Where a curve (values against budgets) first crosses ``slo`` from below, interpolated on
-    log2(budget). None when it never does (all within, or all over, the SLO)."""
-    pts = sorted(zip(budgets, values))
-    for (b0, v0), (b1, v1) in zip(pts, pts[1:]):
-        if v0 <= slo < v1:
-            f = (slo - v0) / (v1 - v0)
-            return 2 ** (math.log2(b0) + f * (math.log2(b1) - math.log2(b0)))
-    return None
 
 
 def largest_budget_within(runs: Sequence[StallRun | dict], slo_ms: float, key: str = "itl_p99_ms") -> int | None:

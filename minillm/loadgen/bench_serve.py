@@ -19,7 +19,7 @@ Flags carry the names of ``vllm bench serve`` (``--request-rate``, ``--burstines
 
 Metrics are **not** computed here: every chunk's arrival time goes into a
 :class:`~minillm.metrics.definitions.ClientRecord`, and :func:`~minillm.metrics.definitions.client_request_metrics`
-+ :func:`~minillm.metrics.definitions.summarize` (+ :class:`~minillm.metrics.definitions.SLO` for goodput)
++ :func:`~minillm.metrics.summary.summarize` (+ :class:`~minillm.metrics.summary.SLO` for goodput)
 turn them into the numbers, exactly as everywhere else in minillm.
 
 Where these numbers match vLLM's client and where they differ (read against
@@ -83,14 +83,8 @@ from minillm.loadgen.datasets import (
     sample_requests,
 )
 from minillm.loadgen.sse import SSEParser, StreamCollector
-from minillm.metrics.definitions import (
-    SLO,
-    ClientRecord,
-    RequestMetrics,
-    Summary,
-    client_request_metrics,
-    summarize,
-)
+from minillm.metrics.definitions import ClientRecord, client_request_metrics
+from minillm.metrics.summary import SLO, Summary, percentile_table, summarize
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 POOL = 8                 # connections per httpx client (see arun_bench)
@@ -358,29 +352,6 @@ def _json_default(x: Any) -> Any:
     if isinstance(x, (np.floating,)):
         return float(x)
     return str(x)
-
-
-def metric_values(metrics: Sequence[RequestMetrics]) -> dict[str, list[float]]:
-    """The samples of each metric over the successful requests (seconds); ITL is pooled ICL."""
-    ok = [m for m in metrics if m.ok]
-    return {"ttft": [m.ttft_s for m in ok if m.ttft_s is not None],
-            "tpot": [m.tpot_s for m in ok if m.tpot_s is not None],
-            "itl": [g for m in ok for g in m.itl_s],
-            "e2el": [m.e2e_s for m in ok if m.e2e_s is not None]}
-
-
-def percentile_table(metrics: Sequence[RequestMetrics], which: Sequence[str],
-                     qs: Sequence[float]) -> dict[str, dict[str, float | None]]:
-    vals = metric_values(metrics)
-    out: dict[str, dict[str, float | None]] = {}
-    for k in which:
-        xs = np.asarray(vals[k], dtype=float) * 1e3
-        row: dict[str, float | None] = {"mean": float(xs.mean()) if xs.size else None,
-                                        "median": float(np.median(xs)) if xs.size else None}
-        for q in qs:
-            row[f"p{q:g}"] = float(np.percentile(xs, q)) if xs.size else None
-        out[k] = row
-    return out
 
 
 async def arun_bench(cfg: BenchConfig, transport=None, schedule: Sequence[float] | None = None) -> BenchResult:

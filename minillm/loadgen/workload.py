@@ -35,15 +35,9 @@ import numpy as np
 
 from minillm.core.trace import Trace, now_ns
 from minillm.engine.sampling import SamplingParams
-from minillm.metrics.definitions import (
-    SLO,
-    RequestMetrics,
-    SteadyWindow,
-    Summary,
-    metrics_from_traces,
-    summarize,
-)
+from minillm.metrics.definitions import RequestMetrics, metrics_from_traces
 from minillm.metrics.stutter import TokenGap, token_gaps
+from minillm.metrics.summary import SLO, SteadyWindow, Summary, summarize
 from minillm.model.config import DEFAULT_VOCAB
 
 # Ids 0..5 are the special tokens of the shipped tokenizer (<|endoftext|>, <|im_start|>, ...):

@@ -43,14 +43,7 @@ from typing import Any, Iterable, Sequence
 from minillm.core.records import as_steps, as_traces
 from minillm.core.step_record import PHASES, StepRecord
 from minillm.core.trace import Trace
-from minillm.metrics.definitions import (
-    STAGES,
-    RequestMetrics,
-    Summary,
-    breakdown_at_percentile,
-    request_metrics,
-    summarize,
-)
+from minillm.metrics.definitions import STAGES, RequestMetrics, request_metrics
 from minillm.metrics.findings import (
     FRONT_STAGES,
     HEALTHY,
@@ -68,6 +61,7 @@ from minillm.metrics.findings import (
     ratio_or_inf,
 )
 from minillm.metrics.stutter import check_stutter
+from minillm.metrics.summary import Summary, breakdown_at_percentile, summarize
 
 
 @dataclass

@@ -4,6 +4,7 @@ formatting every check uses. :mod:`minillm.metrics.diagnose` runs the checks."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,3 +98,12 @@ def json_safe(x: Any) -> Any:
     return x
 
 
+def slo_crossing(budgets: Sequence[float], values: Sequence[float], slo: float) -> float | None:
+    """Where a curve (values against budgets) first crosses ``slo`` from below, interpolated on
+    log2(budget). None when it never does (all within, or all over, the SLO)."""
+    pts = sorted(zip(budgets, values))
+    for (b0, v0), (b1, v1) in zip(pts, pts[1:]):
+        if v0 <= slo < v1:
+            f = (slo - v0) / (v1 - v0)
+            return 2 ** (math.log2(b0) + f * (math.log2(b1) - math.log2(b0)))
+    return None

@@ -9,10 +9,7 @@ from typing import Iterable, Sequence
 
 from minillm.core.step_record import PHASES, StepRecord
 from minillm.core.trace import Trace
-from minillm.metrics.definitions import (
-    RequestMetrics,
-    Summary,
-)
+from minillm.metrics.definitions import RequestMetrics
 from minillm.metrics.findings import (
     GC_CAUSE,
     NO_PREFILL_CAUSE,
@@ -24,6 +21,7 @@ from minillm.metrics.findings import (
     fmt_time,
     ratio_or_inf,
 )
+from minillm.metrics.summary import Summary
 
 
 # ---------------------------------------------------------------------------------------------

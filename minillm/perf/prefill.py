@@ -128,3 +128,18 @@ def kv_transfer_s(cfg: ModelConfig, dtype_bytes_: int, tokens: int, link_bandwid
     return kv_transfer_bytes(cfg, dtype_bytes_, tokens) / link_bandwidth
 
 
+def cost_ratio(result) -> dict | None:
+    """How many prefill tokens cost as much time as one decode token: decode ms/token at batch 1
+    (and at the largest batch) ÷ prefill ms/token at the longest measured prompt. ``result``: a
+    PrefillDecodeResult (experiments/prefill_decode.py) or its dict."""
+    d = result if isinstance(result, dict) else result.to_dict()
+    pre = [r for r in d["prefill"] if r["status"] == "ok"]
+    dec = [r for r in d["decode"] if r["status"] == "ok"]
+    if not pre or not dec:
+        return None
+    p, d1, dm = pre[-1], dec[0], dec[-1]
+    return {"prefill_tokens": p["tokens"], "prefill_ms_per_token": p["ms_per_token"],
+            "decode_b1_ms_per_token": d1["ms_per_token"], "batch": dm["batch"],
+            "decode_bmax_ms_per_token": dm["ms_per_token"],
+            "decode_b1_over_prefill": d1["ms_per_token"] / p["ms_per_token"],
+            "decode_bmax_over_prefill": dm["ms_per_token"] / p["ms_per_token"]}

@@ -226,3 +226,22 @@ def roofline_point(cfg: ModelConfig, dtype_bytes: int, batch: int, context: int,
     return RooflinePoint(batch, context, by, fl, t_mem(by, bandwidth), t_compute(fl, peak_flops),
                          arithmetic_intensity(fl, by),
                          aggregate_bound(cfg, dtype_bytes, batch, context, bandwidth, peak_flops))
+
+
+def ceilings_line(c: dict) -> str:
+    """One line naming each ceiling and which one the bound uses (older runs measured only a
+    copy, and drew their bound with it: they are labelled so)."""
+    bw = c.get("bandwidth")
+    if c.get("source") != "measured":
+        return (f"ceilings ({c.get('source', 'unknown')}): bandwidth "
+                f"{bw / 1e9:.1f} GB/s" if bw else f"ceilings: {c.get('source', 'unknown')}")
+    peak = c.get("peak_flops")
+    kind = c.get("bandwidth_kind", "copy")
+    parts = [f"read {c['read_bandwidth'] / 1e9:.1f} GB/s" + (" (the bound's)" if kind == "read" else "")
+             ] if c.get("read_bandwidth") else []
+    copy = c.get("copy_bandwidth") or (bw if kind == "copy" else None)
+    if copy:
+        parts.append(f"copy {copy / 1e9:.1f} GB/s (read + write" + (", the bound's)" if kind == "copy" else ")"))
+    if peak:
+        parts.append(f"matmul {peak / 1e12:.2f} TFLOP/s")
+    return "ceilings (measured): " + ", ".join(parts)

@@ -69,7 +69,7 @@ def save_figure(fig, name: str, stamp: str, out_dir: str | Path | None = None, d
     with matplotlib.rc_context({"svg.hashsalt": "minillm"}):
         fig.savefig(paths[1], bbox_inches="tight", metadata={"Date": None})
     if data is not None:
-        from minillm.bench.sweep_result import dumps_strict
+        from minillm.core.result import dumps_strict
         (d / "data").mkdir(exist_ok=True)
         (d / "data" / f"{name}.json").write_text(dumps_strict(data))
     return paths

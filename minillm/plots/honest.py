@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from minillm.loadgen.bench_serve import BenchResult, metric_values
 from minillm.metrics.definitions import client_request_metrics
+from minillm.metrics.summary import metric_values
 
 DECEPTIVE, HONEST = "tab:red", "tab:blue"
 
@@ -110,9 +110,10 @@ def plot_latency_vs_rate(sweep, title: str | None = None, slo_ms: float | None =
     return fig
 
 
-def plot_report(result: BenchResult, report, title: str | None = None):
-    """The complete report on one page. Renders only a complete report (``report.render()`` raises
-    MissingReportFields first, naming what is missing)."""
+def plot_report(result, report, title: str | None = None):
+    """The complete report on one page. ``result``: a bench-serve result (its ``records`` and
+    ``summary``); the plot draws it and sends nothing. Renders only a complete report
+    (``report.render()`` raises MissingReportFields first, naming what is missing)."""
     import matplotlib.pyplot as plt
     text = report.render()
     vals = metric_values([client_request_metrics(r.record) for r in result.records])
@@ -145,7 +146,7 @@ def plot_report(result: BenchResult, report, title: str | None = None):
     return fig
 
 
-def report_data(result: BenchResult, report) -> dict:
+def report_data(result, report) -> dict:
     return {"report": report.to_dict(), "result": {k: v for k, v in result.to_dict().items() if k != "requests"}}
 
 

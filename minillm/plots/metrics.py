@@ -15,14 +15,9 @@ from typing import Sequence
 import numpy as np
 
 from minillm.core.trace import Trace
-from minillm.metrics.definitions import (
-    STAGES,
-    RequestMetrics,
-    breakdown_at_percentile,
-    distribution,
-    metrics_from_traces,
-)
+from minillm.metrics.definitions import STAGES, RequestMetrics, metrics_from_traces
 from minillm.metrics.stutter import token_gaps
+from minillm.metrics.summary import breakdown_at_percentile, distribution
 
 STAGE_COLORS = {"gateway": "tab:purple", "body": "tab:brown", "tokenize": "tab:olive", "queue": "tab:red",
                 "prefill": "tab:blue", "first_token": "tab:gray"}

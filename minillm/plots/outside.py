@@ -12,12 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from minillm.core.step_record import PHASES
-from minillm.experiments.outside_steps import (
-    OUTSIDE_PHASES,
-    PHASE_LABELS,
-    PhaseCase,
-)
+from minillm.core.step_record import OUTSIDE_PHASES, PHASE_LABELS, PHASES
 from minillm.hardware.quiet import NOISY_SPREAD, spread
 from minillm.metrics.findings import CHAPTER_OUTSIDE_SHARE
 
@@ -29,16 +24,13 @@ METHOD_COLORS = {"greedy": "tab:gray", "temperature": "tab:green", "top-k": "tab
                  "top-k+top-p": "tab:purple"}
 
 
-def _as_case(c) -> PhaseCase:
-    return c if isinstance(c, PhaseCase) else PhaseCase.from_dict(c)
-
-
 def plot_step_phases(cases, references=None, reference_label: str = "reference", title: str | None = None,
                      line: float = CHAPTER_OUTSIDE_SHARE):
-    """``cases`` (and ``references``, e.g. a GPU run's): PhaseCase objects or their dicts."""
+    """``cases`` (and ``references``, e.g. a GPU run's): PhaseCase results
+    (experiments/outside_steps.py); a saved run's dicts go through ``PhaseCase.from_dict`` first."""
     import matplotlib.pyplot as plt
 
-    bars = [(_as_case(c), "") for c in cases] + [(_as_case(c), f"\n({reference_label})") for c in references or []]
+    bars = [(c, "") for c in cases] + [(c, f"\n({reference_label})") for c in references or []]
     fig, ax = plt.subplots(figsize=(1.6 * len(bars) + 3.2, 4.8))
     xs = range(len(bars))
     bottoms = [0.0] * len(bars)
@@ -74,11 +66,11 @@ def plot_step_phases(cases, references=None, reference_label: str = "reference",
 
 def plot_sampling_cost(bench, step_ms: dict[str, float] | None = None, title: str | None = None,
                        methods: list[str] | None = None):
-    """``bench``: a SamplingBench or its dict. ``step_ms``: {label: ms} of decode steps to mark."""
+    """``bench``: a SamplingBench (experiments/outside_sampling.py; a saved one through its
+    ``from_dict``). ``step_ms``: {label: ms} of decode steps to mark."""
     import matplotlib.pyplot as plt
 
-    from minillm.experiments.outside_sampling import SamplingBench
-    b = bench if isinstance(bench, SamplingBench) else SamplingBench.from_dict(bench)
+    b = bench
     methods = methods or b.method_names
     vocabs = b.vocabs
     noisy_any = False
@@ -133,13 +125,12 @@ def _save(fig, name: str, stamp: str, data: dict, out_dir: str | Path | None) ->
 def save_step_phases(cases, stamp: str, references=None, reference_label: str = "reference",
                      out_dir: str | Path | None = None, name: str = "10-5-step-phases") -> list[Path]:
     fig = plot_step_phases(cases, references, reference_label)
-    data = {"cases": [_as_case(c).to_dict() for c in cases],
-            "references": [_as_case(c).to_dict() for c in references or []]}
+    data = {"cases": [c.to_dict() for c in cases], "references": [c.to_dict() for c in references or []]}
     return _save(fig, name, stamp, data, out_dir)
 
 
 def save_sampling_cost(bench, stamp: str, step_ms: dict[str, float] | None = None,
                        out_dir: str | Path | None = None, name: str = "10-5-sampling-cost") -> list[Path]:
     fig = plot_sampling_cost(bench, step_ms)
-    data = bench.to_dict() if hasattr(bench, "to_dict") else dict(bench)
+    data = bench.to_dict()
     return _save(fig, name, stamp, {"sampling": data, "step_ms": step_ms or {}}, out_dir)

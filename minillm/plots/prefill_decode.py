@@ -14,9 +14,9 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from minillm.experiments.prefill_decode import cost_ratio
-from minillm.experiments.stall import slo_crossing
-from minillm.hardware.quiet import NOISY_SPREAD
+from minillm.hardware.quiet import NOISY_SPREAD, too_wide
+from minillm.metrics.findings import slo_crossing
+from minillm.perf.prefill import cost_ratio
 
 PREFILL_C, DECODE_C, REF_C = "tab:orange", "tab:blue", "tab:purple"
 
@@ -80,7 +80,7 @@ def plot_roofline_prefill_decode(result: dict, references: list[dict] | None = N
             if i in (0, len(rows) - 1) or len(rows) <= 5:
                 ax.annotate(f"{pre_}{r[key]}", (r["intensity"], r["achieved_flops"]), fontsize=7,
                             xytext=(4, -10 if pre_ == "B=" else 4), textcoords="offset points")
-    noisy = [r for r in pre + dec if r.get("time_ms_p10") and r["time_ms_p90"] / r["time_ms_p10"] > NOISY_SPREAD]
+    noisy = [r for r in pre + dec if too_wide(r.get("time_ms_p10"), r.get("time_ms_p90"))]
     if noisy:        # samples that spread widely: something else ran (minillm.hardware.quiet)
         ax.scatter([r["intensity"] for r in noisy], [r["achieved_flops"] for r in noisy], s=150, facecolors="none",
                    edgecolors="red", linewidths=1.4, zorder=5,

@@ -105,10 +105,9 @@ def _bw_kind(result: dict) -> str:
 
 
 def stamp_of(result: dict) -> str:
-    from minillm.bench.sweep_result import ceilings_line
     hw = result.get("hardware", {})
     return (f"measured {result.get('started', '')} on {hw.get('summary') or hw.get('name') or result['device']}; "
-            f"model {result['model']} {result['dtype']}; {ceilings_line(result['ceilings'])}; "
+            f"model {result['model']} {result['dtype']}; {rf.ceilings_line(result['ceilings'])}; "
             f"torch {result['torch_version']}; {result.get('command', '')}")
 
 
