@@ -1,9 +1,9 @@
 """``python -m minillm doctor``: is this machine ready for the notebooks?
 
 One line per check: [OK], [FAIL] (something the project needs is missing or broken) or [--]
-(optional and absent, e.g. no GPU). Exit status 1 if any check failed. Two lines measure and
-inspect rather than import: the memory bandwidth (read, the decode bound's, and copy) and
-whether the CPU has native bf16 instructions.
+(optional and absent, e.g. no GPU). Exit status 1 if any check failed. Three lines measure or
+inspect rather than import: the memory bandwidth (read, the decode bound's, and copy), whether
+the CPU has native bf16 instructions, and the decode matmuls chosen on this CPU (cached).
 """
 from __future__ import annotations
 
@@ -139,6 +139,28 @@ def check_cpu_bf16() -> list[Check]:
                                     f"matmuls; the CPU default dtype stays fp32)")]
 
 
+def check_matmul_choice() -> list[Check]:
+    """The decode matmuls chosen on this CPU (engine/matmul.py), as cached by earlier runs: which
+    kernel each weight shape uses. Nothing is measured here; the first engine on a CPU does that."""
+    import json
+
+    from minillm.engine import matmul
+    here, found = matmul.machine_id(), []
+    for p in sorted(matmul.cache_dir().glob("*.json")) if matmul.cache_dir().is_dir() else []:
+        try:
+            ch = matmul.MatmulChoice.from_dict(json.loads(p.read_text()))
+        except (ValueError, KeyError, TypeError):
+            continue
+        if ch.machine == here:
+            ch.cached = True
+            found.append(ch)
+    if not found:
+        return [Check("decode matmuls", "--", f"none chosen on this CPU yet ({here}): the first engine measures "
+                                              f"them (about 8 s for cpu-small) and caches the choice in "
+                                              f"{matmul.cache_dir()}")]
+    return [Check("decode matmuls", "OK", ch.summary()) for ch in found]
+
+
 def check_default_assets() -> list[Check]:
     try:
         from minillm.engine.tokenizer import DEFAULT_TOKENIZER_DIR, load_tokenizer
@@ -153,7 +175,7 @@ def check_default_assets() -> list[Check]:
 def run_checks(measure: bool = True) -> list[Check]:
     """``measure=False`` skips the bandwidth measurement (a second or two of large buffers)."""
     return (check_dependencies() + check_torch_build() + check_devices() + check_cpu_bf16()
-            + check_bandwidth(measure) + check_default_assets())
+            + check_bandwidth(measure) + check_matmul_choice() + check_default_assets())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -246,6 +246,22 @@ def _small_ceilings(monkeypatch, read_value: float | None = None):
     return calls
 
 
+def test_the_sweep_names_the_path_that_ran(tiny_sweep, monkeypatch, tmp_path):
+    from minillm.bench.sweep import run_sweep
+    from minillm.engine.matmul import CANDIDATES
+    m = tiny_sweep.matmul
+    assert m["mode"] == "auto" and m["choose_s"] >= 0
+    picks = [r["chosen"] for r in m["choice"]["rows"]]
+    assert picks and set(picks) <= set(CANDIDATES)
+    assert "path: decode matmuls chosen on this machine" in tiny_sweep.table()
+    _small_ceilings(monkeypatch, read_value=7.5e9)
+    plain = run_sweep(model="tiny", device="cpu", batches=[1], steps=1, warmup=1, progress=False, served=False,
+                      enforce_eager=True)
+    assert plain.matmul["mode"] == "aten" and plain.matmul["choice"] is None
+    assert "path: plain (torch's F.linear) (--enforce-eager)" in plain.table()
+    assert rf.path_line(plain.to_dict()["matmul"]) == plain.path_line()
+
+
 def test_the_bound_uses_the_read_bandwidth(monkeypatch):
     from minillm.bench.sweep import run_sweep
     calls = _small_ceilings(monkeypatch, read_value=7.5e9)

@@ -75,6 +75,7 @@ class DecodeReport(Result):
     read_bw: float = 0.0             # measured, bytes/s (bytes read): the bound
     step_read_bw: float = 0.0        # over a buffer of bytes_per_step, re-read (0: not measured; see hardware)
     compile_s: float | None = None   # minillm with compile=True: its decode buckets' compile time
+    matmul: str = ""                 # minillm's decode matmuls: chosen on this machine, or plain
 
     def table(self) -> str:
         lines = [f"model {self.model} ({self.dtype}) on {self.device}; prompt {self.prompt_tokens} tokens, "
@@ -92,6 +93,8 @@ class DecodeReport(Result):
             lines.append(f"{a.name} / {b.name} = {a.tok_s / b.tok_s:.2f}×")
         if self.compile_s is not None:
             lines.append(f"torch.compile of minillm's decode: {self.compile_s:.1f} s (before the timed runs)")
+        if self.matmul:
+            lines.append(f"minillm's {self.matmul}")
         return "\n".join(lines)
 
 
@@ -194,7 +197,8 @@ def run_decode_benchmark(model: str = "cpu-small", device: str | None = None, dt
                          compare_transformers: bool = True, copy_bytes: int | None = None,
                          enforce_eager: bool = False, compile: bool = False,
                          read_bytes: int | None = None) -> DecodeReport:
-    """``enforce_eager``: no CUDA graphs for the engine's decode (on a CPU nothing changes).
+    """``enforce_eager``: the engine's plain path (no CUDA graphs, torch's own matmuls instead of the
+    ones chosen on this machine).
     ``compile``: minillm decodes through ``torch.compile`` (its compile time is reported, and
     paid in the warm-up, before anything is timed). ``read_bytes``: the read-bandwidth buffer
     (default: ``copy_bytes`` when given, else twice the last-level cache)."""
@@ -222,4 +226,10 @@ def run_decode_benchmark(model: str = "cpu-small", device: str | None = None, dt
     return DecodeReport(str(model), str(dev), dtype_name(dt), prompt_tokens, new_tokens, repeats,
                        copy_bw, bytes_step, results, read_bw=read_bw,
                        step_read_bw=step_read.value if step_read else 0.0,
-                       compile_s=compile_s)
+                       compile_s=compile_s, matmul=matmul_line(llm.engine.runner))
+
+
+def matmul_line(runner) -> str:
+    """What minillm's decode matmuls were: the choice made on this machine, or the plain path."""
+    ch = runner.matmul_choice
+    return ch.summary() if ch is not None else "decode matmuls: torch's F.linear (the plain path)"

@@ -158,9 +158,10 @@ class MinillmEngine(_Engine):
 
     @property
     def note(self) -> str:
+        from minillm.bench.decode import matmul_line
         runner = self.llm.engine.runner
         if not runner.compile:
-            return ""
+            return matmul_line(runner)
         return (f"torch.compile: {sum(runner.compile_s.values()):.1f} s for {len(runner.compile_s)} decode "
                 f"bucket(s), paid in the warm-up before the timed rounds")
 

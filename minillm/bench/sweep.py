@@ -195,14 +195,17 @@ def run_sweep(model: str | None = None, device: str | None = None, dtype: str | 
               command: str | None = None, copy_bytes: int | None = None, matmul_n: int | None = None,
               seed: int = 0, partial_path: str | Path | None = None, served: bool = True,
               read_bytes: int | None = None, out_dir: str | Path | None = None,
-              figures_dir: str | Path | None = None) -> SweepResult:
+              figures_dir: str | Path | None = None, enforce_eager: bool = False) -> SweepResult:
     """Sweep decode batches (see the module docstring). ``partial_path``: append each batch's result there as one JSON line as soon as it is
     measured, so a sweep killed by a time limit keeps what it measured. ``out_dir``,
     ``figures_dir`` (and ``partial_path``'s directory): checked for writing before anything is
     measured. ``read_bytes``: the read-bandwidth buffer (default: ``copy_bytes`` when that is
-    given, so a small test stays small, else twice the last-level cache)."""
+    given, so a small test stays small, else twice the last-level cache). ``enforce_eager``: the plain
+    path (torch's own matmuls, no CUDA graphs); by default the engine's decode matmuls are the ones
+    chosen on this machine (engine/matmul.py), chosen before the first batch and not timed."""
     from minillm.core.device import default_dtype, parse_dtype, pick_device
     from minillm.engine.engine import LLMEngine
+    from minillm.engine.matmul import prepare as prepare_matmuls
     from minillm.engine.tokenizer import load_tokenizer
     from minillm.model.loader import load_model
 
@@ -234,6 +237,15 @@ def run_sweep(model: str | None = None, device: str | None = None, dtype: str | 
             raise ValueError("no spec ceilings are known for this hardware: measure them (drop --no-measure)")
         ceil = {"bandwidth": bw, "peak_flops": peak, "source": "spec"}
 
+    cuda_graphs = cuda_graphs and not enforce_eager
+    mode = "aten" if enforce_eager else "auto"
+    t_choose = time.perf_counter()
+    choice = prepare_matmuls(m, mode)
+    matmul = {"mode": mode, "choose_s": time.perf_counter() - t_choose,
+              "choice": choice.to_dict() if choice is not None else None,
+              "why": " (--enforce-eager)" if enforce_eager else "" if choice else f" (no choice on {dev.type})"}
+    if choice is not None and progress:
+        print(choice.summary(), file=sys.stderr)
     results: list[BatchResult] = []
     if partial_path is not None:               # this run's rows only
         Path(partial_path).parent.mkdir(parents=True, exist_ok=True)
@@ -247,7 +259,8 @@ def run_sweep(model: str | None = None, device: str | None = None, dtype: str | 
     for b in it:
         engine = None
         try:
-            engine = LLMEngine(m, tok, max_batch_size=b, kv_memory_fraction=0.9, enforce_eager=not cuda_graphs,
+            engine = LLMEngine(m, tok, max_batch_size=b, kv_memory_fraction=0.9, matmul=mode,
+                               enforce_eager=enforce_eager or (not cuda_graphs and dev.type == "cuda"),
                                max_model_len=context + context // 2 + warmup + 3 * steps + 8)
             r = measure_batch(engine, b, context, warmup, steps, cuda_graphs, served)
             _fill_derived(r, cfg, nbytes, bw, peak)
@@ -281,6 +294,6 @@ def run_sweep(model: str | None = None, device: str | None = None, dtype: str | 
         predicted_crossover_kv=rf.crossover_batch(cfg, nbytes, bw, peak, context),
         measured_knee=knee, batches=results,
         started=time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t_start)),
-        duration_s=time.time() - t_start, knee_note=fit.reason)
+        duration_s=time.time() - t_start, knee_note=fit.reason, matmul=matmul)
 
 

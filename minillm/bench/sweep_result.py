@@ -140,6 +140,10 @@ class SweepResult(RunProvenance):
     started: str = ""
     duration_s: float = 0.0
     knee_note: str = ""                       # what the knee fit found, or why there is no knee
+    matmul: dict = field(default_factory=dict)   # the path that ran: mode, each shape's candidate, choice time
+
+    def path_line(self) -> str:
+        return rf.path_line(self.matmul, self.cuda_graphs)
 
     def write(self, out_dir: str | Path, stem: str | None = None) -> tuple[Path, Path]:
         out = Path(out_dir)
@@ -161,7 +165,7 @@ class SweepResult(RunProvenance):
     def table(self) -> str:
         hdr = (f"{'batch':>5} {'step ms':>9} {'engine ms':>10} {'served ms':>10} {'tok/s/req':>10} {'tok/s agg':>10} "
                f"{'% bound':>8} {'MBU':>6} {'MFU':>6}")
-        rows, noisy = [self.ceilings_line(), hdr], []
+        rows, noisy = [self.ceilings_line(), self.path_line(), hdr], []
         for b in self.batches:
             if b.status != "ok":
                 rows.append(f"{b.batch:>5} {b.status}")

@@ -100,7 +100,8 @@ def cmd_roofline(a: argparse.Namespace) -> int:
     res = run_sweep(model=a.model, device=a.device, dtype=a.dtype, batches=batches, context=a.context,
                     warmup=a.warmup, steps=a.steps, cuda_graphs=not a.no_cuda_graphs,
                     command="python -m minillm " + " ".join(shlex.quote(x) for x in sys.argv[1:]),
-                    partial_path=Path(a.out) / "roofline-partial.jsonl", out_dir=a.out, figures_dir=figs)
+                    partial_path=Path(a.out) / "roofline-partial.jsonl", out_dir=a.out, figures_dir=figs,
+                    enforce_eager=a.enforce_eager)
     print(res.table())
     jp, cp = res.write(a.out)
     refs = [load_result(p) for p in (a.reference or [])]

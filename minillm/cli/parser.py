@@ -137,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--warmup", type=int, default=3)
     r.add_argument("--steps", type=int, default=10, help="timed decode steps per batch")
     r.add_argument("--no-cuda-graphs", action="store_true")
+    r.add_argument("--enforce-eager", action="store_true",
+                   help="the plain path: torch's own matmuls and no CUDA graphs (default: the decode matmuls "
+                        "chosen on this machine, engine/matmul.py)")
     r.add_argument("--out", default="runs", help="directory for the JSON and CSV")
     r.add_argument("--figures", default=None, help="directory for the figure (default: runs/figures/ under the working directory, or $MINILLM_FIGURES_DIR; --figures figures/ writes the committed one)")
     r.add_argument("--reference", action="append", help="a reference run's JSON to overlay (repeatable)")

@@ -31,7 +31,6 @@ class Result:
 NONFINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 
 
-
 def json_finite(o):
     """Strict JSON has no Infinity/NaN (B* is infinite when KV traffic outgrows compute)."""
     if isinstance(o, float) and not math.isfinite(o):
@@ -43,11 +42,9 @@ def json_finite(o):
     return o
 
 
-
 def dumps_strict(d: dict) -> str:
     """Indented strict JSON (no Infinity/NaN tokens, which other tools' parsers refuse)."""
     return json.dumps(json_finite(d), indent=1, default=str, allow_nan=False)
-
 
 
 def restore_nonfinite(d: dict) -> dict:

@@ -7,6 +7,7 @@ import typing
 from dataclasses import MISSING, dataclass, fields
 
 POLICIES = ("chunked", "prefill-first")
+MATMUL_MODES = ("auto", "aten")             # engine/matmul.py
 
 # Fields a command names in its own way (its positional model, --device, --dtype, --seed): no engine flag.
 NOT_FLAGS = ("model", "tokenizer", "device", "dtype", "seed")
@@ -17,7 +18,9 @@ FLAG_HELP = {
     "kv_memory_fraction": "share of free device memory the KV cache may take",
     "scheduling_policy": "chunked (decodes and prefill chunks share each step) or prefill-first",
     "enable_prefix_caching": "reuse a finished request's K/V for a later prompt with the same prefix",
-    "enforce_eager": "never capture CUDA graphs",
+    "enforce_eager": "the plain path: no CUDA graphs, torch's own matmuls (overrides --matmul)",
+    "matmul": "auto: each weight shape's fastest correct decode matmul on this CPU, measured once and cached; "
+              "aten: torch's F.linear (the readable reference)",
     "compile": "torch.compile the decode step (Inductor; eager is the default and the reference)",
     "sync_timing": "synchronise the device before stamping traces (timestamps = work done)",
     "step_history": "StepRecords the engine keeps (GET /v1/steps)",
@@ -37,13 +40,16 @@ class EngineConfig:
     kv_memory_fraction: float = 0.5         # of free device memory the KV cache may take
     scheduling_policy: str = "chunked"      # "chunked" (vLLM V1's default) or "prefill-first" (10.4's stall)
     enable_prefix_caching: bool = True      # a finished request's K/V serves later prompts with its prefix
-    enforce_eager: bool = False             # True: never capture CUDA graphs (vLLM's name)
+    enforce_eager: bool = False             # True: no CUDA graphs, plain matmuls (vLLM's name)
+    matmul: str = "auto"                    # "auto": chosen per CPU by measurement (engine/matmul.py); "aten"
     compile: bool = False                   # torch.compile the decode step (Inductor); eager is the reference
     sync_timing: bool = True                # synchronise before stamping traces (timestamps = work done)
     step_history: int = 4096                # StepRecords kept in the engine's ring buffer
 
     def __post_init__(self) -> None:
         problems = []
+        if self.matmul not in MATMUL_MODES:
+            problems.append(f"matmul must be one of {', '.join(MATMUL_MODES)}, got {self.matmul!r}")
         if self.scheduling_policy not in POLICIES:
             problems.append(f"scheduling_policy must be one of {', '.join(POLICIES)}, got {self.scheduling_policy!r}")
         for name in ("max_batch_size", "max_num_batched_tokens", "max_model_len", "step_history"):
@@ -54,6 +60,11 @@ class EngineConfig:
             problems.append(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction!r}")
         if problems:
             raise ValueError("invalid EngineConfig: " + "; ".join(problems))
+
+    def resolved_matmul(self) -> str:
+        """The matmul mode the runner applies: the plain one under enforce_eager, and under compile
+        (Inductor lays the weights out itself when it freezes them)."""
+        return "aten" if self.enforce_eager or self.compile else self.matmul
 
     def resolved_budget(self, max_model_len: int) -> int:
         """Tokens one step may hold. Chunked: 2048 (a long prompt is split across steps).

@@ -92,7 +92,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.allocator, ec.max_batch_size, ec.resolved_budget(self.max_model_len),
                                    ec.scheduling_policy)
         self.runner = ModelRunner(model, self.cache, ec.max_batch_size, enforce_eager=ec.enforce_eager,
-                                  sync_timing=ec.sync_timing, seed=ec.seed, compile=ec.compile)
+                                  sync_timing=ec.sync_timing, seed=ec.seed, compile=ec.compile,
+                                  matmul=ec.resolved_matmul())
         self.output = OutputProcessor(tokenizer, self.max_model_len)
         self.step_history = StepHistory(ec.step_history)
         self.eos_ids = frozenset(eos_ids if eos_ids is not None else self._eos_ids())

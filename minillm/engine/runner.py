@@ -42,6 +42,7 @@ from minillm.engine.attention import (
 )
 from minillm.engine.cuda_graphs import GraphPool
 from minillm.engine.kv_cache import KVCache
+from minillm.engine.matmul import prepare as prepare_matmuls
 from minillm.engine.sampling import (
     Sampler,
     TokenLogprobs,
@@ -93,9 +94,11 @@ class StaticDecode:
 
 class ModelRunner:
     def __init__(self, model, cache: KVCache, max_batch_size: int, *, enforce_eager: bool = False,
-                 sync_timing: bool = True, seed: int = 0, compile: bool = False):
+                 sync_timing: bool = True, seed: int = 0, compile: bool = False, matmul: str = "aten"):
         cfg = model.config
         self.model, self.cache, self.device = model, cache, model.device
+        # decode matmuls that share the weight read across a batch, chosen on this CPU (10.3)
+        self.matmul_choice = prepare_matmuls(model, matmul)
         self.backend = AttentionBackend(cache, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         avoid_per_shape_attention_plans(self.device)
         self.sampler = Sampler(self.device, seed)

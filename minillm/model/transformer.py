@@ -250,11 +250,11 @@ class Transformer(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        return self.model.embed_tokens.weight.device     # always a plain tensor (the engine may pack lm_head)
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        return self.model.embed_tokens.weight.dtype
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """The reference path, no cache: tokens [B, T] → logits [B, T, vocab] (full causal

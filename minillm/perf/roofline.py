@@ -245,3 +245,17 @@ def ceilings_line(c: dict) -> str:
     if peak:
         parts.append(f"matmul {peak / 1e12:.2f} TFLOP/s")
     return "ceilings (measured): " + ", ".join(parts)
+
+
+def path_line(matmul: dict | None, cuda_graphs: bool = False) -> str:
+    """Which decode path a sweep ran, in one line: the plain one (torch's F.linear) or the matmuls
+    chosen on the machine (engine/matmul.py), from a sweep's ``matmul`` record."""
+    m = matmul or {}
+    if not m:
+        return "path: not recorded (a run from before the matmul choice)"
+    if m.get("mode") != "auto" or not m.get("choice"):
+        return f"path: plain (torch's F.linear{', CUDA graphs' if cuda_graphs else ''}){m.get('why', '')}"
+    picks = [r["chosen"] for r in m["choice"]["rows"]]
+    kinds = ", ".join(f"{k} ×{picks.count(k)}" for k in dict.fromkeys(picks))
+    how = "cached" if m["choice"].get("cached") else f"chosen in {m.get('choose_s', 0):.1f} s, not timed"
+    return f"path: decode matmuls chosen on this machine ({kinds} weight shapes; {how})"

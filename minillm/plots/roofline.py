@@ -107,7 +107,8 @@ def _bw_kind(result: dict) -> str:
 def stamp_of(result: dict) -> str:
     hw = result.get("hardware", {})
     return (f"measured {result.get('started', '')} on {hw.get('summary') or hw.get('name') or result['device']}; "
-            f"model {result['model']} {result['dtype']}; {rf.ceilings_line(result['ceilings'])}; "
+            f"model {result['model']} {result['dtype']}; {rf.path_line(result.get('matmul'), result.get('cuda_graphs'))}; "
+            f"{rf.ceilings_line(result['ceilings'])}; "
             f"torch {result['torch_version']}; {result.get('command', '')}")
 
 

@@ -1,0 +1,375 @@
+"""Decode matmuls that read each weight once per step, whatever the batch: chosen per machine by
+measurement (chapter 10.3).
+
+Decode is bound by the weight read: one step reads every weight once, so a batch of B requests
+should cost nearly what one costs, until compute catches up (the crossover B*). That holds only if
+the matmul library streams a weight once for all B rows. On a CPU it depends on the library and
+the CPU, not on the roofline. Measured on the project's VM (AMD EPYC, 2 cores, AVX-512 and
+AVX512-BF16, no AMX), torch 2.13.0+cpu, 2 threads, 24 weights of 4096×768 (302 MB fp32, far past
+the 32 MiB cache), median of 30 passes:
+
+=====  ==================  ==================  =======================
+rows   fp32 ``F.linear``   fp32 oneDNN packed  bf16 oneDNN packed
+=====  ==================  ==================  =======================
+1      24.4 ms (12 GB/s)   12.8 ms (24 GB/s)   4.6 ms (33 GB/s)
+2      43.6 ms             13.7 ms             5.6 ms
+4      34.1 ms             11.2 ms             4.4 ms
+8      28.7 ms             12.6 ms             6.2 ms
+64     79.1 ms             47.5 ms             24.6 ms
+=====  ==================  ==================  =======================
+
+MKL's sgemm behind ``F.linear`` costs almost twice as much for a second row: a batch does not share
+its read, and a learner's per-request line falls from B = 1, which the chapter never describes.
+oneDNN with the weight reordered once ahead of time (what Inductor's ``freezing`` does) stays flat
+to B = 8. On the Intel Xeon the project was measured on before, MKL was the good one at B = 1, so
+the choice is made by measurement on the machine that runs, never by vendor name.
+
+:func:`choose` times every candidate this torch build offers (:data:`CANDIDATES`) for each weight
+shape of the model at each decode row bucket and one prefill-sized bucket, over a stack of copies
+larger than the cache (a single 12 MB weight would be timed from cache, at a speed decode never
+sees), checks each against ``F.linear``, and keeps for each shape the candidate with the least
+geometric mean, over the buckets, of its time ÷ the best time at that bucket. The choice is cached per machine, torch, threads,
+dtype and shapes (:func:`cache_path`), so a second run pays nothing. :func:`apply` then swaps the
+chosen modules for :class:`PackedLinear`; the plain ``nn.Linear`` (``EngineConfig.matmul="aten"``,
+or ``enforce_eager``) stays the readable reference, and the tests pin the chosen path's tokens to it.
+
+Only a CPU has a choice here: on CUDA, cuBLAS already reads a weight once for a small batch.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minillm.core.result import Result
+from minillm.engine.config import MATMUL_MODES
+
+log = logging.getLogger("minillm.engine")
+
+DECODE_ROWS = (1, 2, 4, 8, 16, 32, 64)  # the decode buckets the choice is timed at
+PREFILL_ROWS = 256                      # one prefill-sized bucket: the packed weight serves prefill too
+STACK_BYTES = 64 * 2**20                # copies of a weight timed in turn: twice the 32 MiB cache of the VM it was tuned on
+MAX_COPIES = 64
+
+
+# ---------------------------------------------------------------------------------------------
+# The candidates: how to hold a weight, and how to multiply by it
+@dataclass(frozen=True)
+class Candidate:
+    name: str
+    why: str
+    available: Callable[[torch.dtype], bool]
+    prepare: Callable[[torch.Tensor], torch.Tensor]                 # weight [N, K] → what forward holds
+    forward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+    unpack: Callable[[torch.Tensor], torch.Tensor]                  # what forward holds → weight [N, K]
+
+
+def _onednn_ok(dtype: torch.dtype) -> bool:
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.float32:
+        return True
+    return dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+CANDIDATES: dict[str, Candidate] = {
+    "aten": Candidate(
+        "aten", "torch's F.linear (MKL or OpenBLAS sgemm, oneDNN for bf16): the reference",
+        lambda dt: True, lambda w: w, lambda x, w, b: F.linear(x, w, b), lambda w: w),
+    "aten-kmajor": Candidate(
+        "aten-kmajor", "x @ Wᵀ with Wᵀ stored K-major: the library's other operand order",
+        lambda dt: True, lambda w: w.t().contiguous(),                 # [K, N]
+        lambda x, wt, b: torch.addmm(b, x.reshape(-1, x.shape[-1]), wt).view(*x.shape[:-1], wt.shape[1])
+        if b is not None else (x @ wt),
+        lambda wt: wt.t()),
+    "onednn-packed": Candidate(
+        "onednn-packed", "oneDNN with the weight reordered once into its blocked layout (Inductor's freezing)",
+        _onednn_ok, lambda w: torch.ops.mkldnn._reorder_linear_weight(w),
+        lambda x, p, b: torch.ops.mkldnn._linear_pointwise(x, p, b, "none", [], ""),
+        lambda p: p.to_dense()),
+}
+
+
+class PackedLinear(nn.Module):
+    """An ``nn.Linear`` whose weight is held the way the chosen candidate wants it (a oneDNN
+    blocked layout, a transposed copy). It replaces the original: the plain weight is not kept, so
+    the memory a model takes does not double. ``weight`` and ``state_dict()`` give the plain
+    weight back (unpacked on demand), so a packed model still converts to ``transformers`` or GGUF."""
+
+    def __init__(self, linear: nn.Linear, candidate: str):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.candidate = candidate
+        c = CANDIDATES[candidate]
+        with torch.no_grad():
+            self.register_buffer("held", c.prepare(linear.weight.detach()), persistent=False)
+        self.bias = linear.bias
+        self._forward = c.forward
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return CANDIDATES[self.candidate].unpack(self.held)            # [N, K]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._forward(x, self.held, self.bias)                  # [..., K] → [..., N]
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        destination[prefix + "weight"] = self.weight.detach()
+        if self.bias is not None:
+            destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, candidate={self.candidate}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The choice, per weight shape
+@dataclass
+class ShapeChoice:
+    out_features: int
+    in_features: int
+    bias: bool
+    chosen: str
+    ms: dict[str, dict[str, float]] = field(default_factory=dict)    # candidate → {rows: ms per copy}
+    rejected: dict[str, str] = field(default_factory=dict)           # candidate → why (wrong or failed)
+
+    @property
+    def shape(self) -> str:
+        return f"{self.out_features}x{self.in_features}" + ("+bias" if self.bias else "")
+
+
+@dataclass
+class MatmulChoice(Result):
+    key: str
+    machine: str
+    torch_version: str
+    threads: int
+    dtype: str
+    row_counts: list[int]
+    rows: list[ShapeChoice]                 # one per weight shape
+    seconds: float = 0.0
+    cached: bool = False
+    row_type: ClassVar[type] = ShapeChoice
+
+    def chosen(self, out_features: int, in_features: int, bias: bool) -> str:
+        for s in self.rows:
+            if (s.out_features, s.in_features, s.bias) == (out_features, in_features, bias):
+                return s.chosen
+        return "aten"
+
+    def summary(self) -> str:
+        """One line: which candidate each weight shape uses."""
+        how = "cached" if self.cached else f"measured in {self.seconds:.1f} s"
+        return (f"decode matmuls ({self.dtype}, {self.threads} threads, {how}): "
+                + ", ".join(f"{s.shape} → {s.chosen}" for s in self.rows))
+
+    def table(self) -> str:
+        """ms per weight at each row count, every candidate, the chosen one marked."""
+        lines = [self.summary(), f"{'shape':<16}{'candidate':<16}" + "".join(f"{r:>9}" for r in self.row_counts)]
+        for s in self.rows:
+            for name, by_rows in s.ms.items():
+                mark = " *" if name == s.chosen else ""
+                lines.append(f"{s.shape:<16}{name + mark:<16}"
+                             + "".join(f"{by_rows.get(str(r), float('nan')):>9.3f}" for r in self.row_counts))
+            for name, why in s.rejected.items():
+                lines.append(f"{s.shape:<16}{name:<16} rejected: {why}")
+        lines.append("(ms per weight, median; * the chosen one: the least geometric mean of time ÷ the best at each row count)")
+        return "\n".join(lines)
+
+
+def linear_shapes(model: nn.Module) -> list[tuple[int, int, bool]]:
+    """The distinct (out, in, bias) shapes of the model's untied ``nn.Linear`` layers."""
+    seen: dict[tuple[int, int, bool], None] = {}
+    for _, mod in _linears(model):
+        seen[(mod.out_features, mod.in_features, mod.bias is not None)] = None
+    return list(seen)
+
+
+def _linears(model: nn.Module):
+    """(parent, name) of every nn.Linear whose weight is its own: a tied lm_head shares the
+    embedding's storage, which must stay plain for the embedding lookup."""
+    tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    for parent in model.modules():
+        for name, mod in parent.named_children():
+            if isinstance(mod, nn.Linear) and id(mod.weight) not in tied:
+                yield (parent, name), mod
+
+
+def machine_id() -> str:
+    """The CPU's model name (from /proc/cpuinfo where there is one) and the core count: a choice
+    made on one CPU is not reused on another."""
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{name}; {os.cpu_count()} cores"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MINILLM_CACHE_DIR") or Path.home() / ".cache" / "minillm") / "matmul"
+
+
+def choice_key(shapes: list[tuple[int, int, bool]], dtype: torch.dtype, rows: tuple[int, ...]) -> str:
+    what = {"machine": machine_id(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "dtype": str(dtype), "shapes": sorted(shapes), "rows": list(rows),
+            "candidates": sorted(CANDIDATES)}
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def cache_path(key: str) -> Path:
+    return cache_dir() / f"{key}.json"
+
+
+def _pass_ms(c: Candidate, held: list[torch.Tensor], x: torch.Tensor, bias) -> float:
+    """ms per weight over one pass through the stack of copies."""
+    t0 = time.perf_counter()
+    for h in held:
+        c.forward(x, h, bias)
+    return (time.perf_counter() - t0) * 1e3 / len(held)
+
+
+def _tolerance(dtype: torch.dtype) -> tuple[float, float]:
+    return (2e-2, 2e-2) if dtype in (torch.bfloat16, torch.float16) else (1e-4, 1e-4)
+
+
+def choose_for_shape(out_features: int, in_features: int, bias: bool, dtype: torch.dtype,
+                     rows: tuple[int, ...], repeats: int = 3, stack_bytes: int = STACK_BYTES,
+                     candidates: tuple[str, ...] | None = None) -> ShapeChoice:
+    """Time each available candidate for one weight shape at each row count; keep the fastest correct."""
+    g = torch.Generator().manual_seed(0)
+    w_bytes = out_features * in_features * torch.empty((), dtype=dtype).element_size()
+    copies = max(1, min(MAX_COPIES, -(-stack_bytes // w_bytes)))
+    weights = [torch.randn(out_features, in_features, generator=g).div_(in_features ** 0.5).to(dtype)
+               for _ in range(copies)]
+    b = torch.randn(out_features, generator=g).to(dtype) if bias else None
+    probe = torch.randn(3, in_features, generator=g).to(dtype)
+    want = F.linear(probe, weights[0], b).float()
+    rtol, atol = _tolerance(dtype)
+    sc = ShapeChoice(out_features, in_features, bias, "aten")
+    ready: dict[str, list[torch.Tensor]] = {}
+    for name in candidates or tuple(CANDIDATES):
+        c = CANDIDATES[name]
+        if not c.available(dtype):
+            continue
+        try:
+            held = [c.prepare(w) for w in weights]
+            got = c.forward(probe, held[0], b).float()
+        except RuntimeError as e:          # a kernel this build or CPU lacks: not a choice
+            sc.rejected[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            continue
+        if got.shape != want.shape or not torch.allclose(got, want, rtol=rtol, atol=atol):
+            sc.rejected[name] = f"differs from F.linear by {(got - want).abs().max().item():.3g}"
+            continue
+        ready[name] = held
+    # candidates interleaved within each repeat, so a burst of other work hits them all alike
+    for r in rows:
+        x = torch.randn(r, in_features, generator=g).to(dtype)
+        samples: dict[str, list[float]] = {name: [] for name in ready}
+        for i in range(repeats + 1):
+            for name, held in ready.items():
+                ms = _pass_ms(CANDIDATES[name], held, x, b)
+                if i:                      # the first pass warms up
+                    samples[name].append(ms)
+        for name, xs in samples.items():
+            sc.ms.setdefault(name, {})[str(r)] = statistics.median(xs)
+    ready.clear()
+    best = {str(r): min(ms[str(r)] for ms in sc.ms.values()) for r in rows}
+    # the geometric mean of time ÷ best over the row counts: one slow sample weighs less than in a sum
+    score = {name: math.prod(ms[k] / best[k] for k in best) ** (1 / len(best)) for name, ms in sc.ms.items()}
+    sc.chosen = min(score, key=score.get) if score else "aten"
+    return sc
+
+
+def choose(model: nn.Module, rows: tuple[int, ...] | None = None, use_cache: bool = True,
+           repeats: int = 3, stack_bytes: int = STACK_BYTES) -> MatmulChoice:
+    """The candidate for each weight shape of ``model`` on this machine (see the module docstring):
+    read from the cache when this machine, torch, thread count, dtype and shapes were measured
+    before, else measured (a few seconds for ``cpu-small``) and cached."""
+    dtype = next(model.parameters()).dtype
+    rows = tuple(rows or (*DECODE_ROWS, PREFILL_ROWS))
+    shapes = linear_shapes(model)
+    key = choice_key(shapes, dtype, rows)
+    path = cache_path(key)
+    if use_cache and path.exists():
+        try:
+            ch = MatmulChoice.from_dict(json.loads(path.read_text()))
+            ch.cached = True
+            return ch
+        except (ValueError, KeyError, TypeError) as e:       # a damaged cache file: measure again
+            log.warning("ignoring the matmul cache %s: %s", path, e)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        found = [choose_for_shape(n, k, b, dtype, rows, repeats, stack_bytes) for n, k, b in shapes]
+    ch = MatmulChoice(key, machine_id(), torch.__version__, torch.get_num_threads(), str(dtype).replace("torch.", ""),
+                      list(rows), found, time.perf_counter() - t0)
+    if use_cache:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(ch.to_dict(), indent=1))
+        except OSError as e:               # a read-only home: the choice still holds for this run
+            log.warning("could not cache the matmul choice at %s: %s", path, e)
+    log.info("%s", ch.summary())
+    return ch
+
+
+def apply(model: nn.Module, choice: MatmulChoice) -> int:
+    """Swap each ``nn.Linear`` whose shape chose another candidate for a :class:`PackedLinear`.
+    Idempotent (a module already swapped is left alone); returns how many were swapped."""
+    n = 0
+    for (parent, name), mod in list(_linears(model)):
+        cand = choice.chosen(mod.out_features, mod.in_features, mod.bias is not None)
+        if cand != "aten":
+            setattr(parent, name, PackedLinear(mod, cand))
+            n += 1
+    model.matmul_choice = choice
+    return n
+
+
+def restore_plain(model: nn.Module) -> int:
+    """Swap every :class:`PackedLinear` back for a plain ``nn.Linear`` (its weight unpacked);
+    returns how many."""
+    n = 0
+    for parent in list(model.modules()):
+        for name, mod in list(parent.named_children()):
+            if isinstance(mod, PackedLinear):
+                lin = nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None,
+                                device="meta")
+                lin.weight = nn.Parameter(mod.weight.detach().contiguous(), requires_grad=False)
+                lin.bias = mod.bias
+                setattr(parent, name, lin)
+                n += 1
+    model.matmul_choice = None
+    return n
+
+
+def prepare(model: nn.Module, mode: str = "auto") -> MatmulChoice | None:
+    """What the engine calls: on a CPU in mode ``auto``, choose and apply; else nothing (None)."""
+    if mode not in MATMUL_MODES:
+        raise ValueError(f"matmul must be one of {', '.join(MATMUL_MODES)}, got {mode!r}")
+    done = getattr(model, "matmul_choice", None)
+    if done is not None:
+        if mode == "auto":
+            return done                    # a second engine on the same model: already swapped
+        restore_plain(model)               # the plain path asked for: the model follows the last engine built
+    if mode == "aten" or next(model.parameters()).device.type != "cpu":
+        return None
+    ch = choose(model)
+    apply(model, ch)
+    return ch

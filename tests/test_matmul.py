@@ -1,0 +1,176 @@
+"""The decode matmul chosen per machine (engine/matmul.py): every candidate computes F.linear, the
+chosen path gives eager's tokens, and the choice is cached per machine and model."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minillm.engine import matmul
+from minillm.engine.config import EngineConfig
+from minillm.engine.engine import LLMEngine
+from minillm.engine.sampling import SamplingParams
+from minillm.engine.tokenizer import load_tokenizer
+from minillm.model.loader import load_model
+
+ROWS = (1, 2, 4, 8, 16, 32, 64)
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINILLM_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def _available(dtype):
+    return [n for n, c in matmul.CANDIDATES.items() if c.available(dtype)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_every_candidate_computes_f_linear_at_every_row_bucket(dtype, bias):
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(96, 64, generator=g) / 8).to(dtype)
+    b = torch.randn(96, generator=g).to(dtype) if bias else None
+    for name in _available(dtype):
+        c = matmul.CANDIDATES[name]
+        held = c.prepare(w)
+        for r in ROWS:
+            x = torch.randn(r, 64, generator=g).to(dtype)
+            want = F.linear(x.float(), w.float(), None if b is None else b.float())
+            got = c.forward(x, held, b).float()
+            tol = 1e-4 if dtype == torch.float32 else 3e-2
+            assert got.shape == (r, 96), name
+            torch.testing.assert_close(got, want, rtol=tol, atol=tol, msg=f"{name} at {r} rows")
+        x3 = torch.randn(2, 3, 64, generator=g).to(dtype)     # a prefill's [B, T, K]
+        assert c.forward(x3, held, b).shape == (2, 3, 96)
+
+
+def _choice_for(model, candidate: str) -> matmul.MatmulChoice:
+    """A choice that sends every shape to ``candidate`` (what a machine could have measured)."""
+    rows = [matmul.ShapeChoice(n, k, b, candidate) for n, k, b in matmul.linear_shapes(model)]
+    return matmul.MatmulChoice("test", matmul.machine_id(), torch.__version__, torch.get_num_threads(),
+                               "float32", list(ROWS), rows)
+
+
+def _greedy(model, prompts, **engine):
+    eng = LLMEngine(model, load_tokenizer(None), max_batch_size=8, **engine)
+    ids = [eng.add_request(p, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)) for p in prompts]
+    out: dict[str, list[int]] = {i: [] for i in ids}
+    while eng.has_unfinished():
+        for o in eng.step():
+            out[o.request_id].append(o.token_id)
+    return [out[i] for i in ids], eng
+
+
+@pytest.mark.parametrize("candidate", [n for n in _available(torch.float32) if n != "aten"])
+def test_the_chosen_path_gives_eagers_greedy_tokens(candidate):
+    prompts = ["the lifecycle of a request", "decode reads every weight", "a", "batch shares the read"] * 2
+    plain = load_model("tiny", torch.device("cpu"), torch.float32, 0)
+    want, eng = _greedy(plain, prompts, matmul="aten")
+    assert eng.runner.matmul_choice is None
+    assert not any(isinstance(m, matmul.PackedLinear) for m in plain.modules())
+
+    packed = load_model("tiny", torch.device("cpu"), torch.float32, 0)
+    swapped = matmul.apply(packed, _choice_for(packed, candidate))
+    assert swapped == sum(1 for _ in matmul._linears(plain))      # every untied linear (tiny ties lm_head)
+    got, _ = _greedy(packed, prompts)
+    assert got == want
+    # the plain weights come back from a packed model (for transformers, GGUF)
+    a, b = plain.state_dict(), packed.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_bf16_logits_within_tolerance_at_each_bucket():
+    cand = [n for n in _available(torch.bfloat16) if n != "aten"]
+    if not cand:
+        pytest.skip("no bf16 candidate besides aten in this torch build")
+    plain = load_model("tiny", torch.device("cpu"), torch.bfloat16, 0)
+    packed = load_model("tiny", torch.device("cpu"), torch.bfloat16, 0)
+    matmul.apply(packed, _choice_for(packed, cand[0]))
+    for r in ROWS:
+        tokens = torch.randint(0, plain.config.vocab_size, (r, 3), generator=torch.Generator().manual_seed(r))
+        with torch.inference_mode():
+            a, b = plain(tokens).float(), packed(tokens).float()
+        torch.testing.assert_close(b, a, rtol=5e-2, atol=5e-2)
+
+
+def test_the_choice_is_cached_and_reused(monkeypatch):
+    m = load_model("tiny", torch.device("cpu"), torch.float32, 0)
+    first = matmul.choose(m, rows=(1, 4), stack_bytes=2**20)
+    assert not first.cached and matmul.cache_path(first.key).exists()
+    assert {s.chosen for s in first.rows} <= set(matmul.CANDIDATES)
+
+    def no_timing(*a, **k):
+        raise AssertionError("a cached choice must not be measured again")
+    monkeypatch.setattr(matmul, "choose_for_shape", no_timing)
+    again = matmul.choose(load_model("tiny", torch.device("cpu"), torch.float32, 0), rows=(1, 4))
+    assert again.cached and again.key == first.key
+    assert [s.chosen for s in again.rows] == [s.chosen for s in first.rows]
+    assert "cached" in again.summary()
+
+
+def test_the_cache_is_invalidated_by_another_model_or_machine(monkeypatch):
+    m = load_model("tiny", torch.device("cpu"), torch.float32, 0)
+    k = matmul.choice_key(matmul.linear_shapes(m), torch.float32, (1, 4))
+    shapes = matmul.linear_shapes(m) + [(4096, 768, False)]
+    assert matmul.choice_key(shapes, torch.float32, (1, 4)) != k
+    assert matmul.choice_key(matmul.linear_shapes(m), torch.bfloat16, (1, 4)) != k
+    monkeypatch.setattr(matmul, "machine_id", lambda: "another CPU; 64 cores")
+    assert matmul.choice_key(matmul.linear_shapes(m), torch.float32, (1, 4)) != k
+
+
+def test_a_damaged_cache_file_is_measured_again():
+    m = load_model("tiny", torch.device("cpu"), torch.float32, 0)
+    first = matmul.choose(m, rows=(1,), stack_bytes=2**20)
+    matmul.cache_path(first.key).write_text("{not json")
+    again = matmul.choose(m, rows=(1,), stack_bytes=2**20)
+    assert not again.cached
+
+
+def test_enforce_eager_and_compile_keep_the_plain_path():
+    assert EngineConfig(enforce_eager=True).resolved_matmul() == "aten"
+    assert EngineConfig(compile=True).resolved_matmul() == "aten"
+    assert EngineConfig().resolved_matmul() == "auto"
+    with pytest.raises(ValueError, match="matmul must be one of auto, aten, got 'fast'"):
+        EngineConfig(matmul="fast")
+    m = load_model("tiny", torch.device("cpu"), torch.float32, 0)
+    LLMEngine(m, load_tokenizer(None), max_batch_size=2, enforce_eager=True)
+    assert not any(isinstance(x, matmul.PackedLinear) for x in m.modules())
+
+
+def test_a_packed_model_goes_back_to_the_plain_path_when_asked():
+    plain = load_model("tiny", torch.device("cpu"), torch.float32, 0)
+    m = load_model("tiny", torch.device("cpu"), torch.float32, 0)
+    ch = _choice_for(m, "aten-kmajor")
+    matmul.apply(m, ch)
+    assert matmul.prepare(m, "auto") is ch                   # a second engine reuses the swap
+    assert matmul.prepare(m, "aten") is None                 # the plain path: swapped back
+    assert not any(isinstance(x, matmul.PackedLinear) for x in m.modules())
+    a, b = plain.state_dict(), m.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    tokens = torch.arange(12).view(2, 6)
+    with torch.inference_mode():
+        torch.testing.assert_close(m(tokens), plain(tokens), rtol=0, atol=0)
+
+
+def test_the_table_names_each_shape_and_marks_the_choice():
+    sc = matmul.choose_for_shape(64, 32, False, torch.float32, rows=(1, 2), repeats=1, stack_bytes=2**16)
+    ch = matmul.MatmulChoice("k", "cpu", torch.__version__, 1, "float32", [1, 2], [sc])
+    text = ch.table()
+    assert "64x32" in text and f"{sc.chosen} *" in text
+    back = matmul.MatmulChoice.from_dict(ch.to_dict())
+    assert back.rows[0].chosen == sc.chosen and back.chosen(64, 32, False) == sc.chosen
+    assert back.chosen(1, 1, False) == "aten"          # a shape never measured stays plain
+
+
+def test_doctor_reports_the_choices_cached_for_this_cpu(monkeypatch, tmp_path):
+    from minillm import doctor
+    (c,) = doctor.check_matmul_choice()
+    assert c.status == "--" and "none chosen on this CPU yet" in c.detail
+    m = load_model("tiny", torch.device("cpu"), torch.float32, 0)
+    ch = matmul.choose(m, rows=(1, 2), stack_bytes=2**20)
+    (c,) = doctor.check_matmul_choice()
+    assert c.status == "OK" and ch.rows[0].shape in c.detail and "cached" in c.detail
+    monkeypatch.setattr(matmul, "machine_id", lambda: "another CPU; 64 cores")
+    (c,) = doctor.check_matmul_choice()                  # another machine's choice is not this one's
+    assert c.status == "--"
