@@ -174,3 +174,31 @@ def test_doctor_reports_the_choices_cached_for_this_cpu(monkeypatch, tmp_path):
     monkeypatch.setattr(matmul, "machine_id", lambda: "another CPU; 64 cores")
     (c,) = doctor.check_matmul_choice()                  # another machine's choice is not this one's
     assert c.status == "--"
+
+
+def test_decode_attention_choice_is_one_of_two_ways_that_agree():
+    way, us = matmul.choose_decode_attention((4, 2, 32), torch.bfloat16, rows=(1, 4), context=16, repeats=1)
+    assert way in ("native", "fp32") and set(us) == {"native", "fp32"} and set(us["fp32"]) == {"1", "4"}
+
+
+def test_fp32_decode_attention_in_a_bf16_engine_keeps_the_logits(monkeypatch):
+    """The upcast path (chosen where torch's bf16 CPU attention is the slower) against the plain one."""
+    from minillm.engine.attention import decode_attention
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 4, 32, generator=g).bfloat16()
+    k, v = (torch.randn(3, 20, 2, 32, generator=g).bfloat16() for _ in range(2))
+    mask = torch.rand(3, 1, 1, 20, generator=g) > 0.3
+    mask[..., 0] = True
+    plain = decode_attention(q, k, v, mask).float()
+    up = decode_attention(q.float(), k.float(), v.float(), mask)
+    torch.testing.assert_close(plain, up, rtol=3e-2, atol=3e-2)
+    prompts = ["the lifecycle of a request", "decode reads every weight"]
+    m = load_model("tiny", torch.device("cpu"), torch.bfloat16, 0)
+    want, _ = _greedy(m, prompts, matmul="aten")
+    ch = _choice_for(m, "aten")
+    ch.attention = "fp32"
+    m2 = load_model("tiny", torch.device("cpu"), torch.bfloat16, 0)
+    matmul.apply(m2, ch)
+    got, eng = _greedy(m2, prompts)
+    assert eng.runner.backend.decode_upcast
+    assert [a[:4] for a in got] == [a[:4] for a in want]      # bf16: the first tokens agree; later ones may tie

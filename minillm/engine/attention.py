@@ -115,11 +115,22 @@ def attention_for_capture():
                         SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH], set_priority=True)
 
 
+def decode_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+                     mask: torch.Tensor | None) -> torch.Tensor:
+    """One new query per row against its cached keys. q: [B, H, D]; kc, vc: [B, L, KVH, D];
+    mask: [B, 1, 1, L] or None → [B, H, D]."""
+    y = F.scaled_dot_product_attention(q[:, :, None], kc.transpose(1, 2), vc.transpose(1, 2),
+                                       attn_mask=mask, enable_gqa=True)                   # [B, H, 1, D]
+    return y[:, :, 0]
+
+
 class AttentionBackend:
     def __init__(self, cache: KVCache, num_heads: int, num_kv_heads: int, head_dim: int):
         self.cache = cache
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.meta: AttentionMetadata | None = None
+        # decode attention in fp32 for a bf16/fp16 model, when measured faster on this CPU (engine/matmul.py)
+        self.decode_upcast = False
 
     # ---- once per forward -----------------------------------------------------------
     def begin(self, meta: AttentionMetadata) -> None:
@@ -156,9 +167,9 @@ class AttentionBackend:
         else:
             kc, vc = self.cache.gather(layer, meta.decode_locs)                           # [B, L, KVH, D]
             mask = meta.decode_mask
-        y = F.scaled_dot_product_attention(q[:, :, None], kc.transpose(1, 2), vc.transpose(1, 2),
-                                           attn_mask=mask, enable_gqa=True)               # [B, H, 1, D]
-        return y[:, :, 0]                                                                 # [B, H, D]
+        if self.decode_upcast:
+            return decode_attention(q.float(), kc.float(), vc.float(), mask).to(q.dtype)
+        return decode_attention(q, kc, vc, mask)                                          # [B, H, D]
 
     def _prefill_chunk(self, layer: int, q: torch.Tensor, c: PrefillChunk) -> torch.Tensor:
         L = c.start + c.num_new

@@ -60,6 +60,7 @@ from minillm.engine.config import MATMUL_MODES
 log = logging.getLogger("minillm.engine")
 
 DECODE_ROWS = (1, 2, 4, 8, 16, 32, 64)  # the decode buckets the choice is timed at
+ATTENTION_CONTEXT = 256                 # cached tokens per row when timing decode attention
 PREFILL_ROWS = 256                      # one prefill-sized bucket: the packed weight serves prefill too
 STACK_BYTES = 64 * 2**20                # copies of a weight timed in turn: twice the 32 MiB cache of the VM it was tuned on
 MAX_COPIES = 64
@@ -162,6 +163,8 @@ class MatmulChoice(Result):
     rows: list[ShapeChoice]                 # one per weight shape
     seconds: float = 0.0
     cached: bool = False
+    attention: str = "native"               # decode attention: "native" (the model's dtype) or "fp32"
+    attention_us: dict[str, dict[str, float]] = field(default_factory=dict)   # way → {rows: µs per layer}
     row_type: ClassVar[type] = ShapeChoice
 
     def chosen(self, out_features: int, in_features: int, bias: bool) -> str:
@@ -173,8 +176,9 @@ class MatmulChoice(Result):
     def summary(self) -> str:
         """One line: which candidate each weight shape uses."""
         how = "cached" if self.cached else f"measured in {self.seconds:.1f} s"
+        att = f"; decode attention in {self.attention}" if self.attention_us else ""
         return (f"decode matmuls ({self.dtype}, {self.threads} threads, {how}): "
-                + ", ".join(f"{s.shape} → {s.chosen}" for s in self.rows))
+                + ", ".join(f"{s.shape} → {s.chosen}" for s in self.rows) + att)
 
     def table(self) -> str:
         """ms per weight at each row count, every candidate, the chosen one marked."""
@@ -186,7 +190,11 @@ class MatmulChoice(Result):
                              + "".join(f"{by_rows.get(str(r), float('nan')):>9.3f}" for r in self.row_counts))
             for name, why in s.rejected.items():
                 lines.append(f"{s.shape:<16}{name:<16} rejected: {why}")
-        lines.append("(ms per weight, median; * the chosen one: the least geometric mean of time ÷ the best at each row count)")
+        for way, by_rows in self.attention_us.items():
+            mark = " *" if way == self.attention else ""
+            lines.append(f"{'attention':<16}{way + mark:<16}"
+                         + "".join(f"{by_rows.get(str(r), float('nan')) / 1e3:>9.3f}" for r in self.row_counts))
+        lines.append("(ms per weight, attention ms per layer at 256 cached tokens, median; * the chosen one: the least geometric mean of time ÷ the best at each row count)")
         return "\n".join(lines)
 
 
@@ -226,9 +234,10 @@ def cache_dir() -> Path:
     return Path(os.environ.get("MINILLM_CACHE_DIR") or Path.home() / ".cache" / "minillm") / "matmul"
 
 
-def choice_key(shapes: list[tuple[int, int, bool]], dtype: torch.dtype, rows: tuple[int, ...]) -> str:
+def choice_key(shapes: list[tuple[int, int, bool]], dtype: torch.dtype, rows: tuple[int, ...],
+               heads: tuple[int, int, int] | None = None) -> str:
     what = {"machine": machine_id(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "dtype": str(dtype), "shapes": sorted(shapes), "rows": list(rows),
+            "dtype": str(dtype), "shapes": sorted(shapes), "rows": list(rows), "heads": heads,
             "candidates": sorted(CANDIDATES)}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -297,6 +306,40 @@ def choose_for_shape(out_features: int, in_features: int, bias: bool, dtype: tor
     return sc
 
 
+def choose_decode_attention(heads: tuple[int, int, int], dtype: torch.dtype, rows: tuple[int, ...],
+                            context: int = ATTENTION_CONTEXT, repeats: int = 5) -> tuple[str, dict]:
+    """For a bf16/fp16 model: decode attention in the model's dtype, or upcast to fp32 around it.
+    Measured on the project's VM (AMD EPYC, torch 2.13.0+cpu, 2 threads), 12 heads over 4 K/V heads
+    of 64, 128 cached tokens: torch's CPU attention kernel took 101 µs at 1 row and 406 µs at 4 in
+    bf16, but 58 and 159 µs with q, K and V cast to fp32 first, so in bf16 it, not the weights, made
+    a step grow with the batch. Returns (the faster way that agrees with fp32, {way: {rows: µs}})."""
+    from minillm.engine.attention import decode_attention
+    H, KVH, D = heads
+    g = torch.Generator().manual_seed(0)
+    ways = {"native": lambda q, k, v, m: decode_attention(q, k, v, m),
+            "fp32": lambda q, k, v, m: decode_attention(q.float(), k.float(), v.float(), m).to(dtype)}
+    us: dict[str, dict[str, float]] = {w: {} for w in ways}
+    rtol, atol = _tolerance(dtype)
+    for r in rows:
+        q = torch.randn(r, H, D, generator=g).to(dtype)
+        k, v = (torch.randn(r, context, KVH, D, generator=g).to(dtype) for _ in range(2))
+        mask = torch.ones(r, 1, 1, context, dtype=torch.bool)
+        want = ways["fp32"](q, k, v, mask).float()
+        if not torch.allclose(ways["native"](q, k, v, mask).float(), want, rtol=rtol, atol=atol):
+            return "fp32", {}
+        samples: dict[str, list[float]] = {w: [] for w in ways}
+        for i in range(repeats + 1):
+            for w, fn in ways.items():
+                t0 = time.perf_counter()
+                fn(q, k, v, mask)
+                if i:
+                    samples[w].append((time.perf_counter() - t0) * 1e6)
+        for w in ways:
+            us[w][str(r)] = statistics.median(samples[w])
+    score = {w: math.prod(us[w][str(r)] / min(us[x][str(r)] for x in ways) for r in rows) for w in ways}
+    return min(score, key=score.get), us
+
+
 def choose(model: nn.Module, rows: tuple[int, ...] | None = None, use_cache: bool = True,
            repeats: int = 3, stack_bytes: int = STACK_BYTES) -> MatmulChoice:
     """The candidate for each weight shape of ``model`` on this machine (see the module docstring):
@@ -305,7 +348,9 @@ def choose(model: nn.Module, rows: tuple[int, ...] | None = None, use_cache: boo
     dtype = next(model.parameters()).dtype
     rows = tuple(rows or (*DECODE_ROWS, PREFILL_ROWS))
     shapes = linear_shapes(model)
-    key = choice_key(shapes, dtype, rows)
+    cfg = getattr(model, "config", None)
+    heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) if cfg is not None else None
+    key = choice_key(shapes, dtype, rows, heads)
     path = cache_path(key)
     if use_cache and path.exists():
         try:
@@ -317,8 +362,12 @@ def choose(model: nn.Module, rows: tuple[int, ...] | None = None, use_cache: boo
     t0 = time.perf_counter()
     with torch.inference_mode():
         found = [choose_for_shape(n, k, b, dtype, rows, repeats, stack_bytes) for n, k, b in shapes]
-    ch = MatmulChoice(key, machine_id(), torch.__version__, torch.get_num_threads(), str(dtype).replace("torch.", ""),
-                      list(rows), found, time.perf_counter() - t0)
+        ch = MatmulChoice(key, machine_id(), torch.__version__, torch.get_num_threads(),
+                          str(dtype).replace("torch.", ""), list(rows), found)
+        if heads is not None and dtype != torch.float32:
+            ch.attention, ch.attention_us = choose_decode_attention(heads, dtype, tuple(r for r in rows
+                                                                                    if r in DECODE_ROWS))
+    ch.seconds = time.perf_counter() - t0
     if use_cache:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

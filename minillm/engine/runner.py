@@ -100,6 +100,7 @@ class ModelRunner:
         # decode matmuls that share the weight read across a batch, chosen on this CPU (10.3)
         self.matmul_choice = prepare_matmuls(model, matmul)
         self.backend = AttentionBackend(cache, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.backend.decode_upcast = self.matmul_choice is not None and self.matmul_choice.attention == "fp32"
         avoid_per_shape_attention_plans(self.device)
         self.sampler = Sampler(self.device, seed)
         self.sync_timing = sync_timing
