@@ -61,6 +61,7 @@ log = logging.getLogger("minillm.engine")
 
 DECODE_ROWS = (1, 2, 4, 8, 16, 32, 64)  # the decode buckets the choice is timed at
 ATTENTION_CONTEXT = 256                 # cached tokens per row when timing decode attention
+PAD_ROWS = 4                            # onednn-packed-pad4 pads fewer rows to this many
 PREFILL_ROWS = 256                      # one prefill-sized bucket: the packed weight serves prefill too
 STACK_BYTES = 64 * 2**20                # copies of a weight timed in turn: twice the 32 MiB cache of the VM it was tuned on
 MAX_COPIES = 64
@@ -86,6 +87,23 @@ def _onednn_ok(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+def _onednn(x: torch.Tensor, p: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, p, b, "none", [], "")
+
+
+def _onednn_padded(x: torch.Tensor, p: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """Fewer than PAD_ROWS rows padded with zero rows: oneDNN's kernel for 1 or 2 rows read a
+    4096×768 fp32 weight 10–30 % slower than its kernel for 4 (the project's VM, 1 and 2 threads);
+    the extra rows cost arithmetic a bandwidth-bound step has to spare."""
+    k = x.shape[-1]
+    n = x.numel() // k
+    if n >= PAD_ROWS:
+        return _onednn(x, p, b)
+    xp = x.new_zeros(PAD_ROWS, k)                                      # [4, K]
+    xp[:n] = x.reshape(n, k)
+    return _onednn(xp, p, b)[:n].view(*x.shape[:-1], -1)               # [..., N]
+
+
 CANDIDATES: dict[str, Candidate] = {
     "aten": Candidate(
         "aten", "torch's F.linear (MKL or OpenBLAS sgemm, oneDNN for bf16): the reference",
@@ -98,9 +116,10 @@ CANDIDATES: dict[str, Candidate] = {
         lambda wt: wt.t()),
     "onednn-packed": Candidate(
         "onednn-packed", "oneDNN with the weight reordered once into its blocked layout (Inductor's freezing)",
-        _onednn_ok, lambda w: torch.ops.mkldnn._reorder_linear_weight(w),
-        lambda x, p, b: torch.ops.mkldnn._linear_pointwise(x, p, b, "none", [], ""),
-        lambda p: p.to_dense()),
+        _onednn_ok, lambda w: torch.ops.mkldnn._reorder_linear_weight(w), _onednn, lambda p: p.to_dense()),
+    "onednn-packed-pad4": Candidate(
+        "onednn-packed-pad4", "the same, with fewer than 4 rows padded to 4 (its faster kernel)",
+        _onednn_ok, lambda w: torch.ops.mkldnn._reorder_linear_weight(w), _onednn_padded, lambda p: p.to_dense()),
 }
 
 
@@ -182,17 +201,17 @@ class MatmulChoice(Result):
 
     def table(self) -> str:
         """ms per weight at each row count, every candidate, the chosen one marked."""
-        lines = [self.summary(), f"{'shape':<16}{'candidate':<16}" + "".join(f"{r:>9}" for r in self.row_counts)]
+        lines = [self.summary(), f"{'shape':<16}{'candidate':<21}" + "".join(f"{r:>9}" for r in self.row_counts)]
         for s in self.rows:
             for name, by_rows in s.ms.items():
                 mark = " *" if name == s.chosen else ""
-                lines.append(f"{s.shape:<16}{name + mark:<16}"
+                lines.append(f"{s.shape:<16}{name + mark:<21}"
                              + "".join(f"{by_rows.get(str(r), float('nan')):>9.3f}" for r in self.row_counts))
             for name, why in s.rejected.items():
-                lines.append(f"{s.shape:<16}{name:<16} rejected: {why}")
+                lines.append(f"{s.shape:<16}{name:<21} rejected: {why}")
         for way, by_rows in self.attention_us.items():
             mark = " *" if way == self.attention else ""
-            lines.append(f"{'attention':<16}{way + mark:<16}"
+            lines.append(f"{'attention':<16}{way + mark:<21}"
                          + "".join(f"{by_rows.get(str(r), float('nan')) / 1e3:>9.3f}" for r in self.row_counts))
         lines.append("(ms per weight, attention ms per layer at 256 cached tokens, median; * the chosen one: the least geometric mean of time ÷ the best at each row count)")
         return "\n".join(lines)
