@@ -238,7 +238,7 @@ def test_parse_chat_messages():
     ({"prompt": 5}, "prompt", "string"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens", "≥ 1"),
     ({"prompt": "x", "max_tokens": True}, "max_tokens", "integer"),      # bool is not an int
-    ({"prompt": "x", "max_tokens": 4.0}, "max_tokens", "integer"),
+    ({"prompt": "x", "max_tokens": 4.5}, "max_tokens", "integer"),      # 4.0 is an integer (JSON Schema)
     ({"prompt": "x", "max_tokens": "4"}, "max_tokens", "integer"),
     ({"prompt": "x", "temperature": -0.1}, "temperature", "[0, 100]"),
     ({"prompt": "x", "temperature": 101}, "temperature", "[0, 100]"),
@@ -562,3 +562,11 @@ def test_logprobs_and_min_tokens_reach_sampling_params():
            param="logprobs")
     raises(lambda: g.admit(f"Bearer {KEY}", {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2},
                            chat=True), 400, "invalid_request", param="top_logprobs")
+
+
+def test_an_integral_number_is_an_integer_as_json_schema_says():
+    """JSON Schema's "integer" is any number with no fractional part: the schema lets a client
+    send 4.0 for max_tokens (schemathesis' positive examples do), so the server takes it as 4."""
+    req = parse_completion_body({"prompt": "x", "max_tokens": 4.0, "top_k": 2.0, "seed": 7.0}, chat=False)
+    assert (req.max_tokens, req.top_k, req.seed) == (4, 2, 7)
+    assert all(type(v) is int for v in (req.max_tokens, req.top_k, req.seed))

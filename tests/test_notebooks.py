@@ -6,6 +6,7 @@ by the kernel process), the kernel's cwd ``notebooks/``, and ``MINILLM_FIGURES_D
 temporary folder as a second guard (the notebooks set it themselves in fast mode) so a test run
 never overwrites the committed figures.
 """
+import json
 import re
 from pathlib import Path
 
@@ -134,3 +135,12 @@ def test_core_qa_executes_without_earlier_results(tmp_path, monkeypatch):
     text = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
     assert "not saved yet: measured below" in text
     assert not (tmp_path / "figures").exists()
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_every_cell_has_an_id(path):
+    """nbformat 4.5 gives every cell an id; a cell added without one warns today and fails later."""
+    raw = json.loads(path.read_text())
+    assert (raw["nbformat"], raw["nbformat_minor"]) >= (4, 5)
+    missing = [i for i, c in enumerate(raw["cells"]) if not c.get("id")]
+    assert not missing, f"{path.name}: cells without an id: {missing}"

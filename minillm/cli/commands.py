@@ -119,8 +119,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    serve(cfg, host=a.host, port=a.port)
-    return 0
+    return serve(cfg, host=a.host, port=a.port)
 
 
 def cmd_bench_http(a: argparse.Namespace) -> int:

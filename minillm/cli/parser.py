@@ -170,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--keep-alive-timeout-s", type=float, default=5.0,
                    help="close a kept-alive connection idle this long after a response")
     s.add_argument("--max-header-bytes", type=int, default=65536, help="request headers larger than this get 431")
+    s.add_argument("--shutdown-timeout-s", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT: stop accepting, let admitted requests finish this long, then abort "
+                        "the rest with an error event (exit 0 when all finished)")
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     s.add_argument("--torch-threads", type=int, default=None,
                    help="torch intra-op threads (default: one per core; on few cores, leave one to HTTP)")

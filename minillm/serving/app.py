@@ -36,6 +36,7 @@ from minillm.serving.protocol import (
     CompletionBody,
     DetokenizeBody,
     TokenizeBody,
+    error_responses,
     request_body,
 )
 from minillm.serving.responses import (
@@ -129,9 +130,14 @@ def create_app(config: ServerConfig | ServingState | None = None, *, llm=None):
         log.exception("unhandled error on %s", request.url.path)
         return error_response(GatewayError(500, "internal_error", f"Internal server error ({type(e).__name__})."))
 
-    @app.get("/health")
+    @app.get("/health", responses={503: {"description": "draining (shutting down) or stopped",
+                                         "content": {"application/json": {"schema": {
+                                             "type": "object", "properties": {"status": {"type": "string"}}}}}}})
     async def health():
-        """Alive or not: no key, and nothing about the load (that is /metrics' job)."""
+        """Alive, draining (shutting down: a load balancer should stop sending) or stopped: no key,
+        and nothing about the load (that is /metrics' job)."""
+        if state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
         ok = state.loop.alive
         return JSONResponse({"status": "ok" if ok else "stopped"}, status_code=200 if ok else 503)
 
@@ -145,19 +151,19 @@ def create_app(config: ServerConfig | ServingState | None = None, *, llm=None):
         return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "minillm",
                 "root": str(state.config.engine.model), "parent": None, "max_model_len": state.engine.max_model_len}
 
-    @app.get("/v1/server-info")
+    @app.get("/v1/server-info", responses=error_responses(401))
     async def server_info(request: Request):
         """The model, precision, hardware, parallel configuration, prefix caching and engine
         options: what `bench-serve`'s report fills in by itself (chapter 10.6)."""
         state.auth.check(request.headers.get("authorization"))
         return await asyncio.to_thread(state.server_info)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=error_responses(401))
     async def models(request: Request):
         state.auth.check(request.headers.get("authorization"))
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", responses=error_responses(401, 404))
     async def model(model_id: str, request: Request):
         state.auth.check(request.headers.get("authorization"))
         if model_id != state.model_name:
@@ -180,7 +186,7 @@ def create_app(config: ServerConfig | ServingState | None = None, *, llm=None):
             raise GatewayError(400, "invalid_request", "The request body must be a JSON object.")
         return body
 
-    @app.post("/tokenize", openapi_extra=request_body(TokenizeBody))
+    @app.post("/tokenize", openapi_extra=request_body(TokenizeBody), responses=error_responses(400, 401, 404, 413, 415))
     async def tokenize(request: Request):
         """vLLM's /tokenize: ``{"prompt": ...}`` or ``{"messages": [...]}`` → ``{"count", "max_model_len",
         "tokens"}``. The same tokenizer and chat template as a completion."""
@@ -188,14 +194,18 @@ def create_app(config: ServerConfig | ServingState | None = None, *, llm=None):
         body = await json_body(request)
         return await asyncio.to_thread(state.tokenize_body, body)
 
-    @app.post("/detokenize", openapi_extra=request_body(DetokenizeBody))
+    detokenize_body = request_body(DetokenizeBody)    # token ids: this model's vocabulary, stated
+    detokenize_body["requestBody"]["content"]["application/json"]["schema"]["properties"]["tokens"]["items"].update(
+        minimum=0, maximum=state.engine.config.vocab_size - 1)
+
+    @app.post("/detokenize", openapi_extra=detokenize_body, responses=error_responses(400, 401, 404, 413, 415))
     async def detokenize(request: Request):
         """vLLM's /detokenize: ``{"tokens": [ids]}`` → ``{"prompt": text}``."""
         state.auth.check(request.headers.get("authorization"))
         body = await json_body(request)
         return await asyncio.to_thread(state.detokenize_body, body)
 
-    @app.get("/v1/traces")
+    @app.get("/v1/traces", responses=error_responses(400, 401))
     async def traces(request: Request):
         """The caller's own traces (every caller's for the admin key), oldest first, in pages:
         ``?limit=N`` (at most MAX_TRACES_PAGE), ``?after=<next from the previous page>``,
@@ -208,7 +218,7 @@ def create_app(config: ServerConfig | ServingState | None = None, *, llm=None):
         return await asyncio.to_thread(state.traces_page, key_id, ids or None, after,
                                        MAX_TRACES_PAGE if limit is None else limit)
 
-    @app.get("/v1/steps")
+    @app.get("/v1/steps", responses=error_responses(400, 401, 403))
     async def steps(request: Request):
         """The engine's recent steps (StepRecords, oldest first): ``?limit=N`` (at most
         MAX_STEPS_LIMIT). Each has its phases' end timestamps and its prefill/decode tokens.
@@ -221,25 +231,27 @@ def create_app(config: ServerConfig | ServingState | None = None, *, llm=None):
         records = await asyncio.to_thread(state.steps, MAX_STEPS_LIMIT if limit is None else limit)
         return {"object": "list", "phases": list(PHASES), "data": records}
 
-    def request_id_for(request: Request, chat: bool) -> str:
-        """The client's X-Request-Id when it is well-formed and not in use (so its records join
-        the server's traces); else ours (with the client's as a prefix, when it had one)."""
-        ours = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+    def client_request_id(request: Request) -> str | None:
+        """The client's X-Request-Id when it is well-formed (so its records join the server's
+        traces), else None."""
         theirs = request.headers.get("x-request-id")
-        if theirs is None or not _REQUEST_ID.match(theirs):
-            return ours
-        return theirs if state.claim_request_id(theirs) else f"{theirs}-{uuid.uuid4().hex[:8]}"
+        return theirs if theirs is not None and _REQUEST_ID.match(theirs) else None
 
     async def handle(request: Request, chat: bool):
-        rid = request_id_for(request, chat)
-        trace = Trace(rid)
+        theirs = client_request_id(request)
+        ours = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        trace = Trace(theirs or ours)
         trace.record("received", t_ns=request.state.received_ns, path=request.url.path)
         authorization = request.headers.get("authorization")
         admitted: AdmittedRequest | None = None
+        key_id, visible, claimed = None, theirs or ours, False
         try:
             # On the loop, microseconds: who is it, and within its request rate? Nothing else is
             # done for a stranger, or for a caller over its rate (not even reading its 1 MiB body).
             key_id = state.gateway.authenticate(authorization, trace)
+            if theirs is not None:     # scoped to the key: another key's ids are neither seen nor probed
+                trace.request_id, visible = state.claim_request_id(key_id, theirs)
+                claimed = True
             if not _is_json(request.headers.get("content-type")):
                 state.gateway.refund_request(key_id)     # refused: it must not use up the caller's rate
                 raise GatewayError(415, "unsupported_media_type", "The request body must be JSON "
@@ -249,7 +261,9 @@ def create_app(config: ServerConfig | ServingState | None = None, *, llm=None):
             except ClientDisconnect:        # gone while sending the body: nobody to answer
                 trace.record("rejected", status=499, code="client_disconnected")
                 state.gateway.refund_request(key_id)
-                state.remember(trace)
+                if claimed:
+                    state.release_request_id(key_id, trace.request_id, visible)
+                state.remember(trace, visible)
                 return Response(status_code=499)
             except BodyTooLarge as e:
                 state.gateway.refund_request(key_id)
@@ -265,11 +279,12 @@ def create_app(config: ServerConfig | ServingState | None = None, *, llm=None):
                 state.gateway.release(admitted)
             if trace.last("rejected") is None:
                 trace.record("rejected", status=e.status, code=e.code)
-            state.release_request_id(rid)
-            state.remember(trace)
-            return error_response(e, rid)
+            if claimed:
+                state.release_request_id(key_id, trace.request_id, visible)
+            state.remember(trace, visible)
+            return error_response(e, visible)
 
-        job = Job(state, trace, admitted, stream, chat, int(time.time()))
+        job = Job(state, trace, admitted, stream, chat, int(time.time()), client_id=visible, key_id=key_id)
         if admitted.request.stream:
             return SSEResponse(job)
         return await complete(job, request)
@@ -295,14 +310,18 @@ def create_app(config: ServerConfig | ServingState | None = None, *, llm=None):
         if isinstance(item, Closed):
             job.close("error")
             return error_response(GatewayError(503, "server_shutting_down", item.message,
-                                                headers={"Retry-After": "1"}), job.request_id)
+                                                headers={"Retry-After": "1"}), job.visible_id)
         if item.finish_reason == "error":
             job.close("error")
-            return error_response(engine_error(job), job.request_id)
+            return error_response(engine_error(job), job.visible_id)
         return TracedJSONResponse(job, job.final_body())
 
     # the 200 of a completion is JSON, or server-sent events with `stream: true`
-    streamed = {200: {"content": {"application/json": {}, "text/event-stream": {"schema": {"type": "string"}}},
+    completion_errors = error_responses(400, 401, 404, 413, 415, 429, 500, 503)
+    # one server-sent event: `data` is a JSON chunk (or an error object), the last one "[DONE]"
+    SSE_EVENT_SCHEMA = {"type": "object", "required": ["data"],
+                        "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
+    streamed = {**completion_errors, 200: {"content": {"application/json": {}, "text/event-stream": {"schema": SSE_EVENT_SCHEMA}},
                       "description": "a completion (JSON), or with `stream: true` its chunks (server-sent events)"}}
 
     @app.post("/v1/completions", openapi_extra=request_body(CompletionBody), responses=streamed)

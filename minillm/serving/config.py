@@ -35,7 +35,7 @@ class _ServerOptions:
     admin_key: str | None = None       # reads every key's traces and the engine's steps
     served_model_name: str | None = None
     log_level: str = "warning"
-    graceful_timeout_s: float = 5.0    # at shutdown, how long open connections may take to close
+    shutdown_timeout_s: float = 30.0   # SIGTERM/SIGINT: how long admitted requests may take to finish
     # torch's intra-op threads (process-wide; None: torch's default, one per core). On a machine
     # with few cores, leaving one core to the HTTP side keeps streaming smooth: with every core
     # in torch, each chunk written competes with the next step (see `python -m minillm bench-http`).
@@ -59,6 +59,9 @@ class _ServerOptions:
             raise ValueError(f"trace_store_bytes must be at least 65536, got {self.trace_store_bytes}")
         if self.port is not None and not 0 <= self.port <= 65535:   # before loading a model
             raise ValueError(f"port must be in 0..65535 (0: any free port), got {self.port}")
+        if not isinstance(self.shutdown_timeout_s, (int, float)) or isinstance(self.shutdown_timeout_s, bool) \
+                or not 0 <= self.shutdown_timeout_s < float("inf"):
+            raise ValueError(f"shutdown_timeout_s must be a number of seconds ≥ 0, got {self.shutdown_timeout_s!r}")
         for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
@@ -118,6 +121,7 @@ def config_from_args(a, engine: EngineConfig | None = None) -> ServerConfig:
                         max_header_bytes=opt("max_header_bytes", 64 * 1024),
                         max_connections=opt("max_connections", 1024) or None,      # 0: no limit
                         keep_alive_timeout_s=opt("keep_alive_timeout_s", 5.0),
+                        shutdown_timeout_s=opt("shutdown_timeout_s", 30.0),
                         admin_key=opt("admin_key") or os.environ.get("MINILLM_ADMIN_KEY") or None,
                         trace_history=opt("trace_history", 10_000),
                         trace_store_bytes=opt("trace_store_bytes", 64 << 20),

@@ -52,6 +52,7 @@ class EngineLoop:
         self._streams: dict[str, Stream] = {}       # touched by the engine thread only
         self._aborting = 0                          # aborts taken from the inbox, their callbacks not yet run
         self._stopping = False
+        self.draining = False                       # shutting down: finish what is inside, take nothing new
         self._thread: threading.Thread | None = None
         self.steps = 0
         self.failures = 0
@@ -71,9 +72,9 @@ class EngineLoop:
         stream's queue; call this on the event loop that should receive them."""
         stream = Stream(seq, asyncio.get_running_loop(), asyncio.Queue(), every_output)
         with self._cv:
-            if not self.alive:
+            if not self.alive or self.draining:
                 raise GatewayError(503, "server_shutting_down", "The server is shutting down; retry later.",
-                                   headers={"Retry-After": "1"})
+                                   headers={"Retry-After": "1", "Connection": "close"})
             self._inbox.append(stream)
             self._cv.notify()
         return stream

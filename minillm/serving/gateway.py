@@ -174,13 +174,20 @@ class Gateway:
         """The client's max_tokens (checked against the context), or a default: what is left of
         the context, at most ``max_tokens_cap``, and — under a tokens-per-minute limit — at most
         what a whole minute's quota leaves after the prompt, so a request that did not ask for a
-        length is never refused for a default it did not choose."""
+        length is never refused for a default it did not choose (a ``min_tokens`` it did ask for
+        raises the cap to it, within the context)."""
         if request.max_tokens is not None:
             check_context(prompt_tokens, request.max_tokens, self.max_model_len)
             return request.max_tokens
-        n = default_max_tokens(prompt_tokens, self.max_model_len, self.max_tokens_cap)
+        wanted = int(request.extra_sampling.get("min_tokens") or 0)
+        n = default_max_tokens(prompt_tokens, self.max_model_len, max(self.max_tokens_cap, wanted))
         if self.limiter is not None and self.limiter.tokens_per_min is not None:
             n = max(1, min(n, int(self.limiter.tokens_per_min) - prompt_tokens))
+        if wanted > n:
+            raise GatewayError(400, "context_length_exceeded",
+                               f"min_tokens={wanted} does not fit: with {prompt_tokens} prompt tokens, this "
+                               f"model's context of {self.max_model_len} tokens (and the token quota) leaves "
+                               f"room for {n}.", param="min_tokens")
         return n
 
     def release(self, admitted: AdmittedRequest) -> None:

@@ -136,7 +136,7 @@ class _RequestDeadlines:
             self.counters.body_timeouts += 1
             limit = f"body_timeout_s={self.body_timeout_s:g}"
         log.debug("closing %s: request %s not received within %s", self._g_peer(), phase, limit)
-        self._g_reject(408, f"Request {phase} not received in time ({limit}).")
+        self._g_reject(408, f"Request {phase} not received in time ({limit}).", "request_timeout")
 
     # -- answering and closing ----------------------------------------------------------------
 
@@ -154,18 +154,27 @@ class _RequestDeadlines:
             return True
         return cycle.response_complete if self._g_phase == "headers" else not cycle.response_started
 
-    def _g_reject(self, status: int, message: str) -> None:
+    def _g_reject(self, status: int, message: str, code: str) -> None:
+        """Answer (when no response has started) with OpenAI's error JSON, as every other error
+        of this server, then close."""
         if self._g_can_answer():
+            import json
             from http import HTTPStatus
-            body = message.encode("ascii", "replace")
+            body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                         "code": code}}).encode()
             head = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n".encode()]
             head += [name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers]
-            head += [b"content-type: text/plain; charset=utf-8\r\n",
+            head += [b"content-type: application/json\r\n",
                      b"content-length: " + str(len(body)).encode() + b"\r\n",
                      b"connection: close\r\n\r\n"]
             self.transport.write(b"".join(head) + body)
         self._g_cancel()
         self.transport.close()
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to bytes that are not HTTP: the same error JSON, and nothing from the
+        parser's internals."""
+        self._g_reject(400, "The request is not valid HTTP/1.1.", "invalid_http_request")
 
     # -- uvicorn's Protocol interface ---------------------------------------------------------
 
@@ -189,7 +198,8 @@ class _RequestDeadlines:
                 self.counters.headers_too_large += 1
                 log.debug("closing %s: request head over max_header_bytes=%d", self._g_peer(),
                           self.max_header_bytes)
-                self._g_reject(431, f"Request headers larger than {self.max_header_bytes} bytes.")
+                self._g_reject(431, f"Request headers larger than {self.max_header_bytes} bytes.",
+                               "request_header_fields_too_large")
                 return
         super().data_received(data)  # type: ignore[misc]
 

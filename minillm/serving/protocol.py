@@ -8,9 +8,17 @@ the two in step: every field declared here is one the gateway reads or refuses b
 """
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
+
+# Rules between fields, stated in the schema as the server applies them
+STREAM_OPTIONS_NEED_STREAM = {      # stream_options (an object) only with stream: true, as OpenAI says
+    "if": {"required": ["stream_options"], "properties": {"stream_options": {"type": "object"}}},
+    "then": {"required": ["stream"], "properties": {"stream": {"const": True}}}}
+TOP_LOGPROBS_NEED_LOGPROBS = {      # chat: top_logprobs (a number) only with logprobs: true
+    "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
+    "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}}
 
 
 class _Body(BaseModel):
@@ -18,17 +26,20 @@ class _Body(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")    # an unknown option is refused by name (400)
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = Field(None, description="vLLM's extension: token counts on every chunk")
 
 
 class _Sampling(_Body):
-    model: str | None = None
+    model_config = ConfigDict(extra="allow", json_schema_extra={"allOf": [STREAM_OPTIONS_NEED_STREAM]})
+    model: str | None = Field(None, min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=100)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1, description="vLLM's extension; -1 or 0: off")
     seed: int | None = None
-    stop: Union[str, list[str], None] = None
+    stop: Union[Annotated[str, Field(min_length=1)], list[Annotated[str, Field(min_length=1)]], None] = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = None
@@ -54,6 +65,8 @@ class Message(BaseModel):
 
 
 class ChatCompletionBody(_Sampling):
+    model_config = ConfigDict(extra="allow", json_schema_extra={
+        "allOf": [STREAM_OPTIONS_NEED_STREAM, TOP_LOGPROBS_NEED_LOGPROBS]})
     messages: list[Message] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
@@ -61,14 +74,18 @@ class ChatCompletionBody(_Sampling):
 
 
 class TokenizeBody(_Body):
-    model: str | None = None
-    prompt: str | None = Field(None, description="text to tokenize (or messages)")
-    messages: list[Message] | None = None
+    # exactly one of prompt and messages: said in the schema, so a client generated from it knows
+    model_config = ConfigDict(extra="allow", json_schema_extra={
+        "oneOf": [{"required": ["prompt"], "not": {"required": ["messages"]}},
+                  {"required": ["messages"], "not": {"required": ["prompt"]}}]})
+    model: str | None = Field(None, min_length=1)
+    prompt: str = Field(None, description="text to tokenize (exactly one of prompt and messages)")
+    messages: list[Message] = Field(None, min_length=1, description="a chat to tokenize with the chat template")
     add_special_tokens: bool | None = True
 
 
 class DetokenizeBody(_Body):
-    model: str | None = None
+    model: str | None = Field(None, min_length=1)
     tokens: list[int]
 
 
@@ -93,3 +110,35 @@ def inline_schema(model: type[BaseModel]) -> dict:
 def request_body(model: type[BaseModel]) -> dict:
     """``openapi_extra`` for a route that reads its body itself."""
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline_schema(model)}}}}
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors, as the OpenAPI schema documents them
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str
+
+
+class ErrorBody(BaseModel):
+    """OpenAI's error shape, the body of every 4xx and 5xx this server sends."""
+    error: ErrorDetail
+
+
+ERROR_MEANINGS = {
+    400: "the request is invalid (the message and `param` name what and why)",
+    401: "no valid API key (`Authorization: Bearer <key>`)",
+    403: "the key may not do this (the engine's step records need the admin key)",
+    404: "no such model (the `model` field names one this server does not serve)",
+    413: "the request body is larger than max_body_bytes",
+    415: "the request body is not JSON",
+    429: "over the key's request rate or token quota (`Retry-After` says when to retry)",
+    500: "the engine failed on this request",
+    503: "the server is full (max_queue_depth) or shutting down (`Retry-After`)",
+}
+
+
+def error_responses(*codes: int) -> dict:
+    """FastAPI's ``responses=`` for the error statuses an operation can return."""
+    return {c: {"model": ErrorBody, "description": ERROR_MEANINGS[c]} for c in codes}

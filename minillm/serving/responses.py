@@ -109,10 +109,18 @@ class Job:
     closed: bool = False
     n_sent: int = 0
     pending_logprobs: list = field(default_factory=list)   # tokens not yet on a chunk (empty deltas)
+    n_tokens: int = 0              # output tokens streamed so far (continuous_usage_stats)
+    client_id: str = ""            # the id the caller knows (its X-Request-Id, else ours): bodies, headers
+    key_id: str | None = None
 
     @property
     def request_id(self) -> str:
+        """The engine's id (abort, the trace); the caller sees :attr:`visible_id`."""
         return self.trace.request_id
+
+    @property
+    def visible_id(self) -> str:
+        return self.client_id or self.trace.request_id
 
     @property
     def seq(self):
@@ -131,8 +139,8 @@ class Job:
 
         def finish() -> None:
             self.trace.record("finished", where="server", reason=reason, n_sent=self.n_sent)
-            self.state.release_request_id(self.request_id)
-            self.state.remember(self.trace)
+            self.state.release_request_id(self.key_id, self.request_id, self.visible_id)
+            self.state.remember(self.trace, self.visible_id)
 
         if self.done:
             finish()
@@ -178,7 +186,7 @@ class Job:
         else:
             choice = {"index": 0, "text": delta, "logprobs": lp, "finish_reason": finish_reason}
             obj = "text_completion"
-        return {"id": self.request_id, "object": obj, "created": self.created,
+        return {"id": self.visible_id, "object": obj, "created": self.created,
                 "model": self.admitted.request.model, "choices": [choice]}
 
     def usage(self) -> dict[str, Any]:
@@ -187,7 +195,7 @@ class Job:
         return usage_body(self.admitted.prompt_tokens, len(seq.output_ids), seq.num_cached_tokens)
 
     def usage_chunk(self) -> dict[str, Any]:
-        return {"id": self.request_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+        return {"id": self.visible_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.created, "model": self.admitted.request.model, "choices": [],
                 "usage": self.usage()}
 
@@ -201,7 +209,7 @@ class Job:
             choice = {"index": 0, "text": seq.text, "logprobs": self.logprobs_body(seq.logprobs),
                       "finish_reason": seq.finish_reason}
             obj = "text_completion"
-        return {"id": self.request_id, "object": obj, "created": self.created,
+        return {"id": self.visible_id, "object": obj, "created": self.created,
                 "model": self.admitted.request.model, "choices": [choice],
                 "usage": self.usage()}
 
@@ -231,8 +239,15 @@ async def sse_body(job: Job) -> AsyncIterator[str]:
                 break
             if getattr(item, "logprobs", None) is not None:
                 job.pending_logprobs.append(item.logprobs)
+            if getattr(item, "token_id", None) is not None:
+                job.n_tokens += 1
             if item.delta or item.finished:
-                yield sse_line(job.chunk(item.delta, item.finish_reason if item.finished else None, role=first))
+                chunk = job.chunk(item.delta, item.finish_reason if item.finished else None, role=first)
+                if job.admitted.request.continuous_usage:      # vLLM's: the counts so far, on every chunk
+                    p_tok = job.admitted.prompt_tokens
+                    chunk["usage"] = {"prompt_tokens": p_tok, "completion_tokens": job.n_tokens,
+                                      "total_tokens": p_tok + job.n_tokens}
+                yield sse_line(chunk)
                 job.sent(len(item.delta))
                 first = False
             if item.finished:
@@ -255,7 +270,7 @@ def response_classes():
 
         def __init__(self, job: Job, content: Any) -> None:
             self.job = job
-            super().__init__(content, headers={"x-request-id": job.request_id})
+            super().__init__(content, headers={"x-request-id": job.visible_id})
 
         async def __call__(self, scope, receive, send) -> None:
             reason = self.job.seq.finish_reason or "stop"
@@ -275,7 +290,7 @@ def response_classes():
         def __init__(self, job: Job) -> None:
             self.job = job
             super().__init__(sse_body(job), media_type="text/event-stream",
-                             headers={"x-request-id": job.request_id, "cache-control": "no-cache"})
+                             headers={"x-request-id": job.visible_id, "cache-control": "no-cache"})
 
         async def __call__(self, scope, receive, send) -> None:
             try:

@@ -59,6 +59,7 @@ from minillm.serving.config import (  # noqa: F401 (the public names)
 from minillm.serving.state import ServingState
 
 log = logging.getLogger("minillm.serving.server")
+DRAIN_CLOSE_S = 5.0    # after the drain, how long connections may take to close before uvicorn cancels them
 
 # ---------------------------------------------------------------------------------------------
 # Running it
@@ -87,11 +88,25 @@ def _uvicorn_server(app, host: str, port: int, config: ServerConfig, log_level: 
     from minillm.serving.guard import GuardCounters, guarded_protocol
 
     class _Server(uvicorn.Server):
+        drained: bool | None = None          # after a shutdown: did every admitted request finish?
+        drain_on_shutdown = True             # False: end open streams at once (ServerThread.stop)
+
         async def shutdown(self, sockets=None) -> None:
-            # Stop the engine *before* waiting for connections to drain: each open stream then
-            # ends at once (an error event, then [DONE]) instead of running on to max_tokens.
-            await asyncio.to_thread(app.state.minillm.shutdown)
+            # A graceful drain (a rolling restart loses no work): stop accepting connections,
+            # refuse new requests on open ones (503, /health says "draining"), let the admitted
+            # ones finish up to shutdown_timeout_s, then stop the engine, which ends what is left
+            # with an error event; every trace is stored on the way out.
+            for server in self.servers:
+                server.close()
+            state = app.state.minillm
+            timeout = config.shutdown_timeout_s if self.drain_on_shutdown else 0.0
+            self.drained = await asyncio.to_thread(state.drain, timeout)
+            await asyncio.to_thread(state.shutdown)
             await super().shutdown(sockets)
+            if self.drained:
+                # uvicorn raises the caught SIGTERM/SIGINT again once it has shut down, so the
+                # process would end "killed by signal 15": after a clean drain it exits 0 instead.
+                self._captured_signals.clear()
 
     log_level = log_level or config.log_level
     counters = GuardCounters()
@@ -99,7 +114,7 @@ def _uvicorn_server(app, host: str, port: int, config: ServerConfig, log_level: 
                                 counters=counters)
     limit = None if config.max_connections is None else config.max_connections + 1
     cfg = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                         timeout_graceful_shutdown=config.graceful_timeout_s, access_log=log_level == "debug",
+                         timeout_graceful_shutdown=DRAIN_CLOSE_S, access_log=log_level == "debug",
                          http=protocol, ws="none", limit_concurrency=limit,
                          timeout_keep_alive=config.keep_alive_timeout_s,
                          h11_max_incomplete_event_size=config.max_header_bytes)
@@ -169,10 +184,13 @@ class ServerThread:
         self.port = self._server.servers[0].sockets[0].getsockname()[1]
         return self
 
-    def stop(self, timeout: float = 30.0) -> None:
+    def stop(self, timeout: float = 30.0, drain: bool = False) -> None:
+        """Stop now, ending open streams with the error event; ``drain=True``: first let admitted
+        requests finish, up to ``shutdown_timeout_s``, as ``minillm serve`` does on SIGTERM."""
         t = self._thread
         if t is None:
             return
+        self._server.drain_on_shutdown = drain
         self._server.should_exit = True
         t.join(timeout)
         if t.is_alive():
@@ -216,5 +234,9 @@ def serve(config: ServerConfig, host: str | None = None, port: int | None = None
     print(f"minillm serving {st.model_name} ({st.llm.device}, max_model_len {st.engine.max_model_len}, "
           f"{st.engine.cache.num_slots} KV slots, {len(st.auth.key_ids)} API key(s)) at http://{host}:{port}/v1",
           file=sys.stderr, flush=True)
-    _uvicorn_server(app, host, port, config).run()
+    server = _uvicorn_server(app, host, port, config)
+    server.run()
+    if server.drained is False:
+        log.warning("shut down before every request finished (shutdown_timeout_s=%s)", config.shutdown_timeout_s)
+        return 1
     return 0

@@ -6,6 +6,7 @@ import json
 import logging
 import threading
 import time
+import uuid
 
 from minillm.core.trace import Trace
 from minillm.serving.admission import AdmissionControl
@@ -17,7 +18,13 @@ from minillm.serving.gateway import Gateway
 from minillm.serving.prom import ServingMetrics
 from minillm.serving.rate_limit import RateLimiter
 from minillm.serving.trace_store import ADMIN, TraceStore
-from minillm.serving.validation import CompletionRequest, check_model, parse_messages, undecodable_text
+from minillm.serving.validation import (
+    CompletionRequest,
+    check_model,
+    integral,
+    parse_messages,
+    undecodable_text,
+)
 
 log = logging.getLogger(__name__)
 _STEP_COPY_TRIES = 5           # lock-free copies of the step history before taking the engine's lock
@@ -51,7 +58,8 @@ class ServingState:
         self.loop = EngineLoop(self.engine)
         self.trace_store = TraceStore(config.trace_history, config.trace_store_bytes)
         self.metrics = ServingMetrics(self.model_name, max_model_len=self.engine.max_model_len)
-        self._ids_in_use: set[str] = set()
+        self._ids_in_use: set[str] = set()                 # engine ids in flight (global)
+        self._client_ids: set[tuple[str, str]] = set()     # (key, X-Request-Id) in flight
         self._ids_lock = threading.Lock()
 
     # -- prompts -------------------------------------------------------------------------
@@ -92,17 +100,22 @@ class ServingState:
         return admitted, seq
 
     # -- request ids -----------------------------------------------------------------------
-    def claim_request_id(self, rid: str) -> bool:
-        """Reserve a client-chosen request id; False when a request in flight already has it."""
+    def claim_request_id(self, key_id: str, theirs: str) -> tuple[str, str]:
+        """A client's X-Request-Id, scoped to its key: returns (the engine's id, the id the client
+        sees). The client sees its own id, suffixed only when the same key already has a request in
+        flight under it; the engine's id is the same unless another key's request holds it, and the
+        client cannot tell which (another key's traffic is none of its business)."""
         with self._ids_lock:
-            if rid in self._ids_in_use:
-                return False
-            self._ids_in_use.add(rid)
-            return True
+            visible = theirs if (key_id, theirs) not in self._client_ids else f"{theirs}-{uuid.uuid4().hex[:8]}"
+            self._client_ids.add((key_id, visible))
+            internal = visible if visible not in self._ids_in_use else f"req-{uuid.uuid4().hex[:24]}"
+            self._ids_in_use.add(internal)
+            return internal, visible
 
-    def release_request_id(self, rid: str) -> None:
+    def release_request_id(self, key_id: str | None, internal: str, visible: str) -> None:
         with self._ids_lock:
-            self._ids_in_use.discard(rid)
+            self._ids_in_use.discard(internal)
+            self._client_ids.discard((key_id, visible))
 
     # -- tokenizer endpoints -----------------------------------------------------------------
     def tokenize_body(self, body: dict) -> dict:
@@ -110,15 +123,18 @@ class ServingState:
         bad = undecodable_text(body)
         if bad is not None:
             raise invalid(bad, f"'{bad}' holds text that is not valid Unicode.")
-        if body.get("messages") is not None:
+        if ("prompt" in body) == ("messages" in body):      # the schema's oneOf, by presence
+            raise invalid("prompt", "Give exactly one of 'prompt' (a string) and 'messages' (a list).")
+        if "messages" in body:
             text = apply_chat(self.tokenizer, parse_messages(body))
-        elif isinstance(body.get("prompt"), str):
+        elif isinstance(body["prompt"], str):
             text = body["prompt"]
         else:
-            raise invalid("prompt", "Give 'prompt' (a string) or 'messages'.")
+            raise invalid("prompt", "'prompt' must be a string.")
         if body.get("model") is not None and body["model"] != self.model_name:
             check_model(body["model"] if isinstance(body["model"], str) else repr(body["model"]), [self.model_name])
-        add = body.get("add_special_tokens", True)
+        add = body.get("add_special_tokens")
+        add = True if add is None else add
         if not isinstance(add, bool):
             raise invalid("add_special_tokens", "'add_special_tokens' must be a boolean.")
         ids = encode_prompt(self.tokenizer, text) if add else list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -126,6 +142,8 @@ class ServingState:
 
     def detokenize_body(self, body: dict) -> dict:
         ids = body.get("tokens")
+        if isinstance(ids, list):
+            ids = [integral(i) for i in ids]                    # JSON's 7.0 is the integer 7
         vocab = self.engine.config.vocab_size
         if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
             raise invalid("tokens", "'tokens' must be a list of token ids (integers).")
@@ -146,13 +164,14 @@ class ServingState:
         return {"prompt": "".join(parts)}
 
     # -- traces --------------------------------------------------------------------------
-    def remember(self, trace: Trace) -> None:
-        """Store a finished trace for the key that sent it (``authenticated``); a request that
+    def remember(self, trace: Trace, client_id: str | None = None) -> None:
+        """Store a finished trace for the key that sent it (``authenticated``), under the id that
+        key knows it by (``client_id``: its X-Request-Id; default the trace's own); a request that
         never showed a valid key is only counted."""
         auth, rejected = trace.first("authenticated"), trace.last("rejected")
         if rejected is not None:
             self.metrics.count_rejected(rejected.extra.get("code", "unknown"))
-        self.trace_store.add(trace, auth.extra.get("key_id") if auth is not None else None)
+        self.trace_store.add(trace, auth.extra.get("key_id") if auth is not None else None, client_id)
         admitted, scheduled = trace.first("admitted"), trace.first("scheduled")
         if admitted is not None:       # a request the gateway let in: Prometheus counts it (vLLM's names)
             self.metrics.observe_request(trace, max_tokens=admitted.extra.get("max_tokens"))
@@ -170,17 +189,22 @@ class ServingState:
             out = out[-limit:] if limit > 0 else []
         return out
 
-    def trace(self, request_id: str) -> Trace:
-        found = self.traces([request_id])
-        if not found:
+    def trace(self, request_id: str, key_id: str | None = None) -> Trace:
+        """The trace a request id names. Two keys may use the same X-Request-Id: then ``key_id``
+        says whose (else the answer would be a guess, so it is refused)."""
+        items, _ = self.trace_store.query(ADMIN if key_id is None else key_id, [request_id])
+        if not items:
             raise KeyError(f"no trace for request {request_id!r} (yet): a trace is stored when its response is complete")
-        return found[-1]
+        owners = {it.owner for it in items}
+        if len(owners) > 1:
+            raise KeyError(f"request id {request_id!r} names traces of {len(owners)} keys: pass key_id= to say whose")
+        return items[-1].trace
 
     def traces_page(self, reader: str, request_ids: list[str] | None, after: int, limit: int) -> dict:
         """One page of ``reader``'s traces as plain JSON (``next``: the cursor for ``?after=``)."""
         items, nxt = self.trace_store.query(reader, request_ids, after, limit)
         return {"object": "list", "next": nxt,
-                "data": [{"request_id": it.trace.request_id, "events": [e.as_dict() for e in it.trace.events]}
+                "data": [{"request_id": it.request_id, "events": [e.as_dict() for e in it.trace.events]}
                          for it in items]}
 
     def clear_traces(self) -> None:
@@ -254,6 +278,23 @@ class ServingState:
         if self.auth.open:
             log.warning("no API key configured: the server is OPEN to anyone who can reach it")
         self.loop.start()
+
+    def drain(self, timeout_s: float, poll_s: float = 0.05) -> bool:
+        """Take no new request and wait, up to ``timeout_s``, for every admitted one to finish
+        (a rolling restart loses no work). True when everything inside finished in time; the
+        caller then stops the engine, which ends what is left with an error event."""
+        self.loop.draining = True
+        deadline = time.monotonic() + timeout_s
+        while not self.idle():
+            if time.monotonic() >= deadline:
+                log.warning("shutdown: %s still inside after %.0f s; aborting them", self.stats(), timeout_s)
+                return False
+            time.sleep(poll_s)
+        return True
+
+    @property
+    def draining(self) -> bool:
+        return self.loop.draining
 
     def shutdown(self) -> None:
         self.loop.stop()

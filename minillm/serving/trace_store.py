@@ -7,8 +7,9 @@ stranger sending 10,000 bad keys must not evict the real traces.
 
 The store is bounded twice, by count (``max_traces``) and by bytes (``max_bytes``, an estimate
 of each trace's size: its events and their extras), oldest evicted first, and it says what it
-dropped. Every stored trace gets a sequence number, so ``GET /v1/traces`` pages through them
-with ``?after=<seq>`` instead of copying thousands at once.
+dropped. ``GET /v1/traces`` pages through a key's traces with ``?after=<next>``: the cursor counts
+that key's own traces only (the admin's counts every trace), so it says nothing about anyone else's
+traffic. A trace is found by (key, the id that key gave it).
 """
 from __future__ import annotations
 
@@ -33,10 +34,15 @@ def trace_bytes(trace: Trace) -> int:
 
 @dataclass
 class StoredTrace:
-    seq: int
+    seq: int                     # over every trace: the admin's cursor
     owner: str                   # key id of the caller ("anonymous" on an open server)
     trace: Trace
     nbytes: int
+    owner_seq: int = 0           # over this owner's traces only: the owner's cursor
+    request_id: str = ""         # the id the owner knows it by (its X-Request-Id, else the trace's)
+
+    def cursor(self, reader: str) -> int:
+        return self.seq if reader == ADMIN else self.owner_seq
 
 
 class TraceStore:
@@ -46,6 +52,7 @@ class TraceStore:
         self.max_traces, self.max_bytes = max_traces, max_bytes
         self._items: OrderedDict[int, StoredTrace] = OrderedDict()
         self._seq = itertools.count(1)
+        self._owner_seq: dict[str, int] = {}
         self._lock = threading.Lock()
         self.nbytes = 0
         self.dropped = 0             # evicted to stay within the bounds
@@ -55,15 +62,17 @@ class TraceStore:
     def __len__(self) -> int:
         return len(self._items)
 
-    def add(self, trace: Trace, owner: str | None) -> None:
-        """Store a finished trace for ``owner``; ``None`` (no valid key) only counts it."""
+    def add(self, trace: Trace, owner: str | None, request_id: str | None = None) -> None:
+        """Store a finished trace for ``owner`` under ``request_id`` (default: the trace's);
+        ``None`` (no valid key) only counts it."""
         if owner is None:
             with self._lock:
                 self.unauthenticated += 1
             return
-        item = StoredTrace(0, owner, trace, trace_bytes(trace))
+        item = StoredTrace(0, owner, trace, trace_bytes(trace), request_id=request_id or trace.request_id)
         with self._lock:
             item.seq = next(self._seq)
+            item.owner_seq = self._owner_seq[owner] = self._owner_seq.get(owner, 0) + 1
             self._items[item.seq] = item
             self.nbytes += item.nbytes
             while len(self._items) > self.max_traces or (self.nbytes > self.max_bytes and len(self._items) > 1):
@@ -74,17 +83,20 @@ class TraceStore:
 
     def query(self, reader: str, request_ids: list[str] | None = None, after: int = 0,
               limit: int | None = None) -> tuple[list[StoredTrace], int | None]:
-        """The traces ``reader`` may see, oldest first, with sequence number > ``after``, at most
-        ``limit``; and the cursor for the next page (None when this page is the last)."""
+        """The traces ``reader`` may see, oldest first, past the cursor ``after`` (the reader's
+        own: see the module docstring), at most ``limit``; and the cursor for the next page
+        (None when this page is the last). ``request_ids``: the ids the owners gave (the admin
+        may also use the engine's)."""
         with self._lock:
-            items = [it for seq, it in self._items.items() if seq > after]
+            items = list(self._items.values())
         if reader != ADMIN:
             items = [it for it in items if it.owner == reader]
+        items = [it for it in items if it.cursor(reader) > after]
         if request_ids:
             want = set(request_ids)
-            items = [it for it in items if it.trace.request_id in want]
+            items = [it for it in items if it.request_id in want or (reader == ADMIN and it.trace.request_id in want)]
         if limit is not None and len(items) > limit:
-            return items[:limit], (items[limit - 1].seq if limit > 0 else after)
+            return items[:limit], (items[limit - 1].cursor(reader) if limit > 0 else after)
         return items, None
 
     def clear(self) -> None:

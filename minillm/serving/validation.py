@@ -17,6 +17,9 @@ MAX_STOP = 4                                         # OpenAI's limit on stop se
 Message = dict[str, str]
 
 
+STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")   # OpenAI's, and vLLM's per-chunk counts
+
+
 @dataclass
 class CompletionRequest:
     """A validated, normalised ``/v1/completions`` or ``/v1/chat/completions`` body.
@@ -37,6 +40,7 @@ class CompletionRequest:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False       # stream_options.include_usage: a final chunk with token counts
+    continuous_usage: bool = False    # stream_options.continuous_usage_stats (vLLM's): counts on every chunk
     ignore_eos: bool = False          # benchmarks: generate exactly max_tokens (chapter 10.6)
     include_stop_str_in_output: bool = False   # vLLM's: keep the matched stop string in the text
     n: int = 1
@@ -48,12 +52,24 @@ def is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)      # True is an int in Python; not here
 
 
+def integral(x: Any) -> Any:
+    """A JSON number with no fractional part (``1324.0``) as the integer JSON Schema says it is;
+    anything else unchanged, for the field's own check to judge."""
+    if isinstance(x, float) and x.is_integer() and abs(x) < 2**63:
+        return int(x)
+    return x
+
+
+INT_FIELDS = ("max_tokens", "max_completion_tokens", "top_k", "seed", "min_tokens", "n", "logprobs",
+              "top_logprobs")
+
+
 def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _get_int(body: dict, name: str, *, minimum: int | None = None) -> int | None:
-    v = body.get(name)
+    v = integral(body.get(name))
     if v is None:
         return None
     if not is_int(v):
@@ -125,6 +141,9 @@ def parse_messages(body: dict) -> list[Message]:
         role = m.get("role")
         if role not in CHAT_ROLES:
             raise invalid(f"{where}.role", f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}; got {role!r}.")
+        if m.get("tool_calls"):           # before content: such a message often has none
+            raise invalid(f"{where}.tool_calls", f"'{where}.tool_calls' is not supported: this server does no "
+                          "function calling (no 'tools'), so a conversation cannot hold tool calls.")
         if "content" not in m or m["content"] is None:
             raise invalid(f"{where}.content", f"'{where}.content' is required.")
         out.append({"role": role, "content": _message_content(m["content"], f"{where}.content")})
@@ -215,16 +234,22 @@ def parse_completion_body(body: Any, *, chat: bool) -> CompletionRequest:
         raise invalid("n", f"Only n=1 is supported (one completion per request), got n={n}.")
 
     stream = _get_bool(body, "stream")
-    include_usage = False
+    include_usage = continuous_usage = False
     opts = body.get("stream_options")
     if opts is not None:
         if not stream:
             raise invalid("stream_options", "'stream_options' is only allowed when 'stream' is true.")
         if not isinstance(opts, dict):
             raise invalid("stream_options", "'stream_options' must be an object.")
+        unknown = sorted(set(opts) - set(STREAM_OPTIONS))
+        if unknown:
+            raise invalid(f"stream_options.{unknown[0]}",
+                          f"'stream_options.{unknown[0]}' is not supported (supported: {', '.join(STREAM_OPTIONS)}).")
         include_usage = _get_bool(opts, "include_usage")
+        continuous_usage = _get_bool(opts, "continuous_usage_stats")
 
     return CompletionRequest(prompt=prompt, chat=chat, model=model, stream=stream, include_usage=include_usage,
+                             continuous_usage=continuous_usage,
                              n=1, user=_get_str(body, "user"), extra_sampling=_parse_logprobs_min_tokens(body, chat),
                              **sampling)
 
@@ -261,6 +286,9 @@ def _parse_sampling(body: dict, chat: bool) -> dict[str, Any]:
     disagree on what is valid. A missing or null field takes SamplingParams's default, except
     ``max_tokens``, which stays None (the gateway picks a default that fits the context)."""
     max_tokens = None
+    for key in INT_FIELDS:
+        if isinstance(body.get(key), float):
+            body[key] = integral(body[key])
     # The chat API renamed max_tokens to max_completion_tokens; the new name wins (as in vLLM).
     for key in ("max_tokens", "max_completion_tokens") if chat else ("max_tokens",):
         if body.get(key) is not None:
