@@ -141,3 +141,15 @@ def test_the_check_catches_a_function_level_import(tmp_path):
     problems = layer_violations(pkg, ["model", "metrics", "serving"])
     assert problems == ["minillm/model/m.py:2 imports minillm.serving: serving is not below model"]
     assert layer_violations(pkg, ["serving", "model", "metrics"]) == []          # serving below: allowed
+
+
+def test_library_code_never_changes_matplotlibs_backend():
+    """``matplotlib.use`` in a kernel where pyplot is loaded switches the backend, and every later
+    ``plt.show()`` in the notebook draws nothing: saving a figure works under any backend."""
+    calls = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "use" \
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id in ("matplotlib", "mpl"):
+                calls.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert not calls, calls

@@ -42,11 +42,42 @@ class Bounds:
     t_compute_ms: float
     crossover: float              # B* without KV
     crossover_kv: float           # B* with KV at this context (inf: never compute-bound)
+    memory_bytes: float = 0.0     # the GPU's memory (0: unknown)
+    kv_bytes: int = 0             # the KV cache this batch and context hold: B·L·k
+    max_batch_fit: int = 0        # the largest batch whose weights + KV fit, at this context
+    max_context_fit: int = 0      # the longest context that fits, at this batch
+
+    @property
+    def needed_bytes(self) -> int:
+        """Weights + KV cache. A decode step's activations (B rows of a few hidden-size vectors)
+        and the framework's own reservations are left out: a real server needs some headroom."""
+        return self.model_bytes + self.kv_bytes
+
+    @property
+    def fits(self) -> bool:
+        return not self.memory_bytes or self.needed_bytes <= self.memory_bytes
 
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def memory_line(self) -> str:
+        if not self.memory_bytes:
+            return "  memory: not in the spec table"
+        gib = 2**30
+        need = (f"weights {self.model_bytes / gib:.1f} GiB + KV {self.kv_bytes / gib:.1f} GiB "
+                f"(batch {self.batch} × {self.context} tokens) = {self.needed_bytes / gib:.1f} GiB "
+                f"of {self.memory_bytes / gib:.0f} GiB")
+        return f"  memory: {need}" + ("" if self.fits else " — does NOT fit")
+
     def text(self) -> str:
+        if not self.fits:
+            if self.model_bytes > self.memory_bytes:
+                what = "the weights alone do not fit: a smaller dtype, a smaller model or more GPUs"
+            else:
+                what = (f"at context {self.context} at most batch {self.max_batch_fit} fits; at batch {self.batch} "
+                        f"at most {self.max_context_fit} tokens of context")
+            return (f"{self.model} ({self.dtype}) on {self.gpu}: this configuration does not fit, so it has no "
+                    f"speed.\n{self.memory_line()}\n  what would fit: {what} (activations and headroom not counted)")
         bound = "compute" if self.t_compute_ms > self.t_mem_ms else "bandwidth"
         ckv = "never (KV traffic grows faster than compute)" if self.crossover_kv == float("inf") \
             else f"{self.crossover_kv:.0f}"
@@ -57,7 +88,8 @@ class Bounds:
                 f"(input embedding: one row; L = {self.context})\n"
                 f"  batch {self.batch}: step ≥ {self.step_ms:.2f} ms ({bound}-bound: t_mem {self.t_mem_ms:.2f} ms, "
                 f"t_compute {self.t_compute_ms:.2f} ms) → ≤ {self.aggregate_bound_tok_s:.0f} tok/s in total\n"
-                f"  crossover B* ≈ {self.crossover:.0f} (no KV); with KV at L={self.context}: {ckv}")
+                f"  crossover B* ≈ {self.crossover:.0f} (no KV); with KV at L={self.context}: {ckv}\n"
+                f"{self.memory_line()}")
 
 
 def bounds(gpu: str, model: str, dtype: str = "bf16", batch: int = 1, context: int = 512) -> Bounds:
@@ -73,24 +105,37 @@ def bounds(gpu: str, model: str, dtype: str = "bf16", batch: int = 1, context: i
     bw, peak = spec.bandwidth, spec.flops[dtype]
     by, fl = rf.decode_step_bytes(cfg, nb, batch, context), rf.decode_step_flops(cfg, batch, context)
     tm, tc = rf.t_mem(by, bw), rf.t_compute(fl, peak)
-    return Bounds(spec.name, model, dtype, batch, context, bw, peak, rf.weight_bytes(cfg, nb),
+    W, k = rf.weight_bytes(cfg, nb), cfg.kv_bytes_per_token(nb)
+    room = max(0.0, spec.memory - W)                      # bytes left for the KV cache
+    return Bounds(spec.name, model, dtype, batch, context, bw, peak, W,
                   rf.bandwidth_bound_tok_s(rf.weight_bytes(cfg, nb), bw),
                   rf.single_request_bound(cfg, nb, context, bw),
                   rf.aggregate_bound(cfg, nb, batch, context, bw, peak),
                   max(tm, tc) * 1e3, tm * 1e3, tc * 1e3,
-                  rf.crossover_batch(cfg, nb, bw, peak, 0), rf.crossover_batch(cfg, nb, bw, peak, context))
+                  rf.crossover_batch(cfg, nb, bw, peak, 0), rf.crossover_batch(cfg, nb, bw, peak, context),
+                  memory_bytes=spec.memory, kv_bytes=batch * context * k,
+                  max_batch_fit=int(room // (context * k)) if context else (0 if W > spec.memory else 10**9),
+                  max_context_fit=int(room // (batch * k)))
 
 
-def calculator_widget():
-    """Dropdowns and sliders over :func:`bounds` (needs ipywidgets and a notebook frontend)."""
+BATCHES = tuple(2 ** i for i in range(10))     # 1 … 512: the crossover lives at the small end
+
+
+def calculator_widget(gpu: str = "H200 SXM 141GB", model: str = "llama-3.1-8b", dtype: str = "bf16",
+                      batch: int = 1, context: int = 512):
+    """Dropdowns and sliders over :func:`bounds` (needs ipywidgets and a notebook frontend),
+    starting at the given values (print ``bounds(...)`` of the same values beside it for a
+    headless run: the two then agree). The batch slider steps in powers of two."""
     import ipywidgets as w
     from IPython.display import display
 
-    gpu = w.Dropdown(options=gpu_names(), value="H200 SXM 141GB", description="GPU")
-    model = w.Dropdown(options=list(PRESETS), value="llama-3.1-8b", description="model")
-    dtype = w.Dropdown(options=["bf16", "fp16", "fp32"], value="bf16", description="dtype")
-    batch = w.IntSlider(value=1, min=1, max=512, description="batch")
-    context = w.IntSlider(value=512, min=0, max=32768, step=256, description="context")
+    if batch not in BATCHES:
+        raise ValueError(f"batch must be one of {', '.join(map(str, BATCHES))}, got {batch}")
+    gpu = w.Dropdown(options=gpu_names(), value=gpu, description="GPU")
+    model = w.Dropdown(options=list(PRESETS), value=model, description="model")
+    dtype = w.Dropdown(options=["bf16", "fp16", "fp32"], value=dtype, description="dtype")
+    batch = w.SelectionSlider(options=list(BATCHES), value=batch, description="batch")
+    context = w.IntSlider(value=context, min=0, max=32768, step=256, description="context")
     out = w.Output()
 
     def update(*_):

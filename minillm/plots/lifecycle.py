@@ -270,9 +270,7 @@ def timeline_stamp(hardware: str, model: str, dtype: str, detail: str = "") -> s
 def save_request_timeline(single: Any, concurrent: Iterable[Any], stamp: str, out_dir: str | Path | None = None,
                           name: str = "10-1-request-timeline") -> list[Path]:
     """Draw and save figure 10-1 (PNG + SVG) through :func:`minillm.plots.figures.save_figure`."""
-    import matplotlib
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # any backend saves a file; the caller's backend is left alone
 
     from minillm.plots.figures import save_figure
     concurrent = list(concurrent)

@@ -114,9 +114,7 @@ def stamp_of(result: dict) -> str:
 
 def save_roofline_figure(result: dict, references: list[dict] | None = None,
                          out_dir: str | Path | None = None, name: str = "10-3-decode-roofline") -> list[Path]:
-    import matplotlib
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # any backend saves a file; the caller's backend is left alone
 
     from minillm.plots.figures import save_figure
     fig = plot_roofline(result, references)

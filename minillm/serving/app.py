@@ -324,11 +324,11 @@ def create_app(config: ServerConfig | ServingState | None = None, *, llm=None):
     streamed = {**completion_errors, 200: {"content": {"application/json": {}, "text/event-stream": {"schema": SSE_EVENT_SCHEMA}},
                       "description": "a completion (JSON), or with `stream: true` its chunks (server-sent events)"}}
 
-    @app.post("/v1/completions", openapi_extra=request_body(CompletionBody), responses=streamed)
+    @app.post("/v1/completions", openapi_extra=request_body(CompletionBody, neutral_only=True), responses=streamed)
     async def completions(request: Request):
         return await handle(request, chat=False)
 
-    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionBody), responses=streamed)
+    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionBody, neutral_only=True), responses=streamed)
     async def chat_completions(request: Request):
         return await handle(request, chat=True)
 

@@ -12,6 +12,8 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from minillm.serving.validation import MAX_STOP, UNSUPPORTED_UNLESS_NEUTRAL
+
 # Rules between fields, stated in the schema as the server applies them
 STREAM_OPTIONS_NEED_STREAM = {      # stream_options (an object) only with stream: true, as OpenAI says
     "if": {"required": ["stream_options"], "properties": {"stream_options": {"type": "object"}}},
@@ -38,8 +40,9 @@ class _Sampling(_Body):
     temperature: float | None = Field(None, ge=0, le=100)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1, description="vLLM's extension; -1 or 0: off")
-    seed: int | None = None
-    stop: Union[Annotated[str, Field(min_length=1)], list[Annotated[str, Field(min_length=1)]], None] = None
+    seed: int | None = Field(None, ge=-2**63, le=2**63 - 1, description="64-bit")
+    stop: Union[Annotated[str, Field(min_length=1)],
+                Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP)], None] = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = None
@@ -107,9 +110,20 @@ def inline_schema(model: type[BaseModel]) -> dict:
     return walk(schema)
 
 
-def request_body(model: type[BaseModel]) -> dict:
-    """``openapi_extra`` for a route that reads its body itself."""
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline_schema(model)}}}}
+def request_body(model: type[BaseModel], neutral_only: bool = False) -> dict:
+    """``openapi_extra`` for a route that reads its body itself. ``neutral_only``: the OpenAI and
+    vLLM fields the server does not implement, each allowed only at its neutral value (or null),
+    as the server refuses any other by name."""
+    schema = inline_schema(model)
+    if neutral_only:
+        for name, neutral in UNSUPPORTED_UNLESS_NEUTRAL.items():
+            values: list = []                   # one per JSON value: 1 and 1.0 are the same number
+            for n in neutral:
+                if not any(n == v and isinstance(n, bool) == isinstance(v, bool) for v in values):
+                    values.append(n)
+            schema["properties"][name] = {"enum": [*values, None],
+                                          "description": "not supported: only its neutral value"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -131,8 +131,7 @@ class ServingState:
             text = body["prompt"]
         else:
             raise invalid("prompt", "'prompt' must be a string.")
-        if body.get("model") is not None and body["model"] != self.model_name:
-            check_model(body["model"] if isinstance(body["model"], str) else repr(body["model"]), [self.model_name])
+        self._check_model_field(body)
         add = body.get("add_special_tokens")
         add = True if add is None else add
         if not isinstance(add, bool):
@@ -140,7 +139,18 @@ class ServingState:
         ids = encode_prompt(self.tokenizer, text) if add else list(self.tokenizer.encode(text, add_special_tokens=False))
         return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
 
+    def _check_model_field(self, body: dict) -> None:
+        """``model`` of a tokenizer endpoint: absent or null, else this server's model (400 for
+        what is not a name at all, 404 for another model)."""
+        name = body.get("model")
+        if name is None:
+            return
+        if not isinstance(name, str):
+            raise invalid("model", f"'model' must be a string, got {type(name).__name__}.")
+        check_model(name, [self.model_name])
+
     def detokenize_body(self, body: dict) -> dict:
+        self._check_model_field(body)
         ids = body.get("tokens")
         if isinstance(ids, list):
             ids = [integral(i) for i in ids]                    # JSON's 7.0 is the integer 7

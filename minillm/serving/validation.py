@@ -200,7 +200,8 @@ UNSUPPORTED_UNLESS_NEUTRAL: dict[str, tuple[Any, ...]] = {
 def _check_unsupported(body: dict) -> None:
     for name, neutral in UNSUPPORTED_UNLESS_NEUTRAL.items():
         v = body.get(name)
-        if v is not None and not any(v == n and type(v) is type(n) for n in neutral):
+        # JSON's equality: 1 and 1.0 are one number, but true is not 1
+        if v is not None and not any(v == n and isinstance(v, bool) == isinstance(n, bool) for n in neutral):
             raise invalid(name, f"'{name}' is not supported by this server (got {v!r}); leave it out or "
                                  f"use its neutral value{'s' if len(neutral) > 1 else ''} "
                                  f"{', '.join(map(repr, neutral)) or 'null'}."[:300])
