@@ -119,9 +119,16 @@ def check_bandwidth(measure: bool = True) -> list[Check]:
         cp = hw.measure_copy_bandwidth(dev, repeats=5, warmup=1)
     except Exception as e:           # a measurement must not make doctor fail
         return [Check("memory bandwidth", "--", f"not measured ({type(e).__name__}: {e})")]
-    return [Check("memory bandwidth", "OK",
-                  f"{dev}: read {rd.value / 1e9:.1f} GB/s ({rd.method}; the decode bound uses it), "
-                  f"copy {cp.value / 1e9:.1f} GB/s ({cp.method}); medians of 5, a busy machine reads low")]
+    checks = [Check("memory bandwidth", "OK",
+                    f"{dev}: read {rd.value / 1e9:.1f} GB/s ({rd.method}), "
+                    f"copy {cp.value / 1e9:.1f} GB/s ({cp.method}); medians of 5, a busy machine reads low")]
+    try:         # the decode bound is a read over one step's bytes: how much does the buffer matter here?
+        by_size = hw.read_bandwidth_by_size(dev)
+    except Exception as e:
+        return checks + [Check("read bandwidth by buffer", "--", f"not measured ({type(e).__name__}: {e})")]
+    return checks + [Check("read bandwidth by buffer", "OK",
+                           ", ".join(f"{n / 2**20:.0f} MiB: {v / 1e9:.1f} GB/s" for n, v in by_size)
+                           + " (the decode bound reads one step's bytes, at least twice the last-level cache)")]
 
 
 def check_cpu_bf16() -> list[Check]:

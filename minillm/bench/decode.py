@@ -20,6 +20,7 @@ import torch
 from minillm.core.device import dtype_bytes, dtype_name, synchronize
 from minillm.core.result import Result
 from minillm.hardware.machine import (
+    decode_read_bytes,
     measure_copy_bandwidth,
     measure_read_bandwidth,
     measure_step_read_bandwidth,
@@ -210,7 +211,9 @@ def run_decode_benchmark(model: str = "cpu-small", device: str | None = None, dt
     prompt = torch.randint(1, llm.model.config.vocab_size, (prompt_tokens,), generator=g).tolist()
     cfg, nbytes = llm.model.config, dtype_bytes(dt)
     bytes_step = decode_step_bytes(cfg, nbytes, 1, prompt_tokens + new_tokens // 2)   # mean context
-    read_bw = measure_read_bandwidth(dev, nbytes=read_bytes or copy_bytes).value
+    # the decode bound, as every command measures it: a read over one step's bytes
+    read_nbytes = read_bytes or copy_bytes or decode_read_bytes(dev, bytes_step)
+    read_bw = measure_read_bandwidth(dev, nbytes=read_nbytes).value
     step_read = measure_step_read_bandwidth(dev, bytes_step)
     copy_bw = measure_copy_bandwidth(dev, nbytes=copy_bytes).value
 

@@ -37,6 +37,7 @@ from minillm.core.device import dtype_bytes, dtype_name, synchronize
 from minillm.core.result import Result
 from minillm.engine.gc_pauses import GC_CLOCK
 from minillm.hardware.machine import (
+    decode_read_bytes,
     measure_copy_bandwidth,
     measure_read_bandwidth,
     measure_step_read_bandwidth,
@@ -455,7 +456,9 @@ def run_peers(model: str = "cpu-small", device: str | None = None, dtype: str | 
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(1, cfg.vocab_size, (prompt_tokens,), generator=g).tolist()
     bytes_step = decode_step_bytes(cfg, dtype_bytes(dt), 1, prompt_tokens + new_tokens // 2)   # mean context
-    read_bw = measure_read_bandwidth(dev, nbytes=read_bytes or copy_bytes).value
+    # the decode bound, as every command measures it: a read over one step's bytes
+    read_nbytes = read_bytes or copy_bytes or decode_read_bytes(dev, bytes_step)
+    read_bw = measure_read_bandwidth(dev, nbytes=read_nbytes).value
     step_read = measure_step_read_bandwidth(dev, bytes_step)
     copy_bw = measure_copy_bandwidth(dev, nbytes=copy_bytes).value
     threads = torch.get_num_threads()

@@ -39,6 +39,7 @@ from minillm.core.trace import Trace
 from minillm.engine.sampling import SamplingParams
 from minillm.engine.sequence import Sequence, Status
 from minillm.hardware.machine import (
+    decode_read_bytes,
     describe_hardware,
     measure_copy_bandwidth,
     measure_matmul_peak,
@@ -222,7 +223,9 @@ def run_sweep(model: str | None = None, device: str | None = None, dtype: str | 
     tok = load_tokenizer(None)
 
     if measure_ceilings:
-        rd_m = measure_read_bandwidth(dev, nbytes=read_bytes or copy_bytes)
+        # the one decode bound of every command: a read over one step's bytes (hardware.decode_read_bytes)
+        step1 = rf.decode_step_bytes(cfg, nbytes, 1, context)
+        rd_m = measure_read_bandwidth(dev, nbytes=read_bytes or copy_bytes or decode_read_bytes(dev, step1))
         cp_m = measure_copy_bandwidth(dev, nbytes=copy_bytes)
         pk_m = measure_matmul_peak(dev, dt, n=matmul_n)
         bw, peak = rd_m.value, pk_m.value            # decode reads its weights: the read bandwidth

@@ -62,6 +62,7 @@ import minillm.perf.roofline as rf
 from minillm.core.device import cpu_cores, dtype_bytes, dtype_name, is_oom
 from minillm.experiments.stall import chunk_tradeoff, stall_setup
 from minillm.hardware.machine import (
+    decode_read_bytes,
     describe_hardware,
     measure_copy_bandwidth,
     measure_matmul_peak,
@@ -293,7 +294,8 @@ def run_prefill_decode(llm=None, model: str | None = None, device: str | None = 
     context = context or (128 if dev.type == "cpu" else 512)
     hw = describe_hardware(dev)
 
-    rd_m = measure_read_bandwidth(dev, copy_bytes)      # a small copy_bytes (tests, fast mode) shrinks both
+    # a small copy_bytes (tests, fast mode) shrinks both; else the decode bound's one rule
+    rd_m = measure_read_bandwidth(dev, copy_bytes or decode_read_bytes(dev, rf.decode_step_bytes(cfg, nb, 1, context)))
     cp_m = measure_copy_bandwidth(dev, nbytes=copy_bytes)
     pk_m = measure_matmul_peak(dev, dt, n=matmul_n)
     bw, peak = rd_m.value, pk_m.value

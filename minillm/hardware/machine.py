@@ -339,6 +339,30 @@ def default_read_bytes(device: torch.device) -> int:
     return int(min(max(512 * 2**20, 2 * llc), _measurement_room_bytes(device)))
 
 
+def decode_read_bytes(device: torch.device, step_bytes: int) -> int:
+    """The buffer every command measures the decode bound over: one decode step's bytes, as a
+    step reads them, but at least twice the last-level cache (a smaller buffer is served from the
+    cache, which the weights of a larger model are not) and at least 64 MiB; capped by the free
+    memory the measurements keep to. One rule for ``roofline``, ``bench``, ``prefill-decode`` and
+    the notebooks, where two commands once measured different buffers and disagreed on the bound.
+    Measured on the project's AMD EPYC VM (2 threads, medians of 5, two rounds a minute apart):
+    33.5 and 39.9 GB/s over 64 MiB, 32.3–35.6 GB/s over 256 MiB to 2 GiB; ``doctor`` prints the
+    same scan for the machine it runs on."""
+    llc = last_level_cache_bytes(device) or 0
+    return int(min(max(int(step_bytes), 2 * llc, 64 * 2**20), _measurement_room_bytes(device)))
+
+
+def read_bandwidth_by_size(device: torch.device | str | None = None,
+                           sizes: tuple[int, ...] = (64 * 2**20, 256 * 2**20, 1024 * 2**20),
+                           repeats: int = 3) -> list[tuple[int, float]]:
+    """(bytes, read B/s) over buffers of each size that fits: how much the bound depends on the
+    buffer on this machine (``doctor`` prints it)."""
+    dev = pick_device(device)
+    room = _measurement_room_bytes(dev)
+    return [(n, measure_read_bandwidth(dev, nbytes=n, repeats=repeats, warmup=1).value)
+            for n in sizes if n <= room]
+
+
 def default_copy_bytes(device: torch.device) -> int:
     """Well past the last-level cache (a server CPU's L3 can exceed 100 MB; an H100's L2 is 50 MB)."""
     if device.type == "cuda":
