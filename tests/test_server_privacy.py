@@ -160,3 +160,20 @@ def test_the_protocol_layer_answers_with_error_json_and_no_internals(server):
     head, _, body = got.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 431 ")
     assert json.loads(body)["error"]["code"] == "request_header_fields_too_large"
+
+
+@pytest.mark.parametrize("path, body, says", [
+    ("/v1/completions", b'{"prompt": "hi",}', "at line 1, column 17"),
+    ("/v1/completions", b'{"prompt":\n  "hi" "x"}', "at line 2, column 8"),
+    ("/tokenize", b'{"prompt": ', "at line 1, column 12"),
+    ("/v1/completions", b"[" * 100_000, "nested too deeply"),
+    ("/v1/completions", b"\xff\xfe\xfa", "not UTF-8 text"),
+])
+def test_a_json_error_says_where_in_the_clients_terms(server, path, body, says):
+    r = httpx.post(server.url + path, content=body, timeout=30,
+                   headers={**auth(KEY_A), "Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert message.startswith("The request body is not valid JSON: ") and says in message
+    for internal in ("Error", "Expecting value", "char ", "Traceback"):
+        assert internal not in message

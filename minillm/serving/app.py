@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import re
 import time
@@ -29,7 +28,7 @@ from minillm.core.step_record import PHASES
 from minillm.core.trace import Trace, now_ns
 from minillm.serving.config import ServerConfig
 from minillm.serving.engine_loop import Closed
-from minillm.serving.errors import GatewayError
+from minillm.serving.errors import GatewayError, parse_json_body
 from minillm.serving.gateway import AdmittedRequest
 from minillm.serving.protocol import (
     ChatCompletionBody,
@@ -176,12 +175,11 @@ def create_app(config: ServerConfig | ServingState | None = None, *, llm=None):
             raise GatewayError(415, "unsupported_media_type", "The request body must be JSON "
                                "(Content-Type: application/json).")
         try:
-            body = json.loads(await read_body(request, state.config.max_body_bytes))
+            raw = await read_body(request, state.config.max_body_bytes)
         except BodyTooLarge as e:
             raise GatewayError(413, "request_too_large", f"The request body has {e.size} bytes; this "
                                f"server accepts at most {e.limit} bytes.") from None
-        except (ValueError, RecursionError) as e:
-            raise GatewayError(400, "invalid_request", f"The request body is not valid JSON ({type(e).__name__}).") from None
+        body = parse_json_body(raw)
         if not isinstance(body, dict):
             raise GatewayError(400, "invalid_request", "The request body must be a JSON object.")
         return body

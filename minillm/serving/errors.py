@@ -3,6 +3,7 @@ limit that was hit, so a client can tell "fix your request" (4xx) from "come bac
 with ``Retry-After``)."""
 from __future__ import annotations
 
+import json
 import math
 from typing import Any, Mapping
 
@@ -51,6 +52,20 @@ class GatewayError(Exception):
 
 def invalid(param: str | None, message: str) -> GatewayError:
     return GatewayError(400, "invalid_request", message, param=param)
+
+
+def parse_json_body(raw: bytes | str) -> Any:
+    """The body as JSON, or a 400 that says where it broke, in the client's terms (line and
+    column), never Python's exception text."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise invalid(None, "The request body is not valid JSON: it is nested too deeply.") from None
+    except json.JSONDecodeError as e:
+        raise invalid(None, f"The request body is not valid JSON: {e.msg.lower()} at line {e.lineno}, "
+                            f"column {e.colno}.") from None
+    except ValueError:   # bytes that are not UTF-8/16/32
+        raise invalid(None, "The request body is not valid JSON: it is not UTF-8 text.") from None
 
 
 def retry_after(seconds: float) -> dict[str, str]:

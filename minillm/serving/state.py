@@ -2,7 +2,6 @@
 records. ``minillm.serving.app`` puts HTTP in front of it."""
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -13,7 +12,7 @@ from minillm.serving.admission import AdmissionControl
 from minillm.serving.auth import APIKeyAuth
 from minillm.serving.config import ServerConfig
 from minillm.serving.engine_loop import EngineLoop
-from minillm.serving.errors import GatewayError, invalid
+from minillm.serving.errors import GatewayError, invalid, parse_json_body
 from minillm.serving.gateway import Gateway
 from minillm.serving.prom import ServingMetrics
 from minillm.serving.rate_limit import RateLimiter
@@ -82,11 +81,10 @@ class ServingState:
         from minillm.engine.engine import RequestError
         from minillm.engine.sampling import SamplingParams
         try:
-            body = json.loads(raw)
-        except (ValueError, RecursionError) as e:
+            body = parse_json_body(raw)
+        except GatewayError:
             self.gateway.refund_request(key_id)
-            raise GatewayError(400, "invalid_request",
-                               f"The request body is not valid JSON ({type(e).__name__}: {e})."[:300]) from None
+            raise
         trace.record("body_read", n_bytes=len(raw))
         admitted = self.gateway.admit_body(key_id, body, chat=chat, trace=trace)
         try:
