@@ -140,8 +140,9 @@ def check_cpu_bf16() -> list[Check]:
         return [Check("cpu bf16", "--", "could not read the CPU's instruction flags")]
     if not have:
         return [Check("cpu bf16", "--", "no native bf16 instructions (no avx512_bf16 / amx_bf16 / Arm bf16): "
-                                        "bf16 matmuls are converted to fp32 in software, so bf16 decode on this "
-                                        "CPU is no faster than fp32 though it reads half the bytes; use fp32 here")]
+                                        "bf16 matmuls are converted to fp32 in software, so bf16 decode on "
+                                        "this CPU is no faster than fp32 though it reads half the bytes; use "
+                                        "fp32 here")]
     return [Check("cpu bf16", "OK", f"native bf16 instructions: {', '.join(have)} (oneDNN uses them for bf16 "
                                     f"matmuls; the CPU default dtype stays fp32)")]
 
@@ -162,9 +163,10 @@ def check_matmul_choice() -> list[Check]:
             ch.cached = True
             found.append(ch)
     if not found:
-        return [Check("decode matmuls", "--", f"none chosen on this CPU yet ({here}): the first engine measures "
-                                              f"them (about 8 s for cpu-small) and caches the choice in "
-                                              f"{matmul.cache_dir()}")]
+        return [Check("decode matmuls", "--",
+                      f"none chosen on this CPU yet ({here}): the first engine measures "
+                      f"them (about 8 s for cpu-small) and caches the choice in "
+                      f"{matmul.cache_dir()}")]
     return [Check("decode matmuls", "OK", ch.summary()) for ch in found]
 
 
@@ -174,7 +176,8 @@ def check_default_assets() -> list[Check]:
         tok = load_tokenizer(None)
         ids = tok.encode("hello 你好")
         assert tok.decode(ids) == "hello 你好"
-        return [Check("default tokenizer", "OK", f"{len(tok)} tokens, round-trips text ({DEFAULT_TOKENIZER_DIR.name})")]
+        return [Check("default tokenizer", "OK",
+                      f"{len(tok)} tokens, round-trips text ({DEFAULT_TOKENIZER_DIR.name})")]
     except Exception as e:
         return [Check("default tokenizer", "FAIL", f"{type(e).__name__}: {e}")]
 

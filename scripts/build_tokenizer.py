@@ -52,7 +52,8 @@ def build(max_mb: float) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIAL,   # ids 0..5, <|endoftext|> = 0
+    # ids 0..5, <|endoftext|> = 0
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIAL,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(corpus(int(max_mb * 2**20)), trainer=trainer)
     assert tok.get_vocab_size() == VOCAB_SIZE, tok.get_vocab_size()

@@ -94,8 +94,9 @@ def main() -> None:
     for name, xs in rows.items():
         print(f"  {name:<18}{statistics.median(xs):8.2f} ms  (rounds {min(xs):.2f}–{max(xs):.2f})")
     mm, whole, rest = (statistics.median(rows[k]) for k in rows)
-    print(f"  matmul rate {nbytes / mm / 1e6:.1f} GB/s; the forward spends {whole - mm:.2f} ms beyond its matmuls, "
-          f"of which {rest:.2f} ms is the other operators on warm caches and {whole - mm - rest:.2f} ms is left")
+    print(f"  matmul rate {nbytes / mm / 1e6:.1f} GB/s; the forward spends {whole - mm:.2f} ms beyond its "
+          f"matmuls, of which {rest:.2f} ms is the other operators on warm caches and "
+          f"{whole - mm - rest:.2f} ms is left")
 
     x, y = torch.randn(1, cfg.hidden_size), torch.randn(1, cfg.hidden_size)
     norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -109,8 +110,8 @@ def main() -> None:
                     t = time.perf_counter()
                     op()
                     after.append(time.perf_counter() - t)
-        print(f"  {name:<8} alone {alone * 1e3:6.1f} µs; right after a matmul {statistics.median(after) * 1e6:6.1f} µs "
-              f"(× {len(weights)} matmuls a step)")
+        print(f"  {name:<8} alone {alone * 1e3:6.1f} µs; right after a matmul "
+              f"{statistics.median(after) * 1e6:6.1f} µs (× {len(weights)} matmuls a step)")
 
 
 if __name__ == "__main__":

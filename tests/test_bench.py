@@ -55,10 +55,13 @@ def test_eager_gap_script_runs_and_accounts_for_the_forward():
     import sys
     from pathlib import Path
     root = Path(__file__).resolve().parents[1]
-    out = subprocess.run([sys.executable, str(root / "scripts" / "eager_gap.py"), "--model", "tiny", "--rounds", "1",
-                          "--steps", "3", "--threads", "1"], capture_output=True, text=True, cwd=root, timeout=120,
+    out = subprocess.run([sys.executable, str(root / "scripts" / "eager_gap.py"), "--model", "tiny",
+                          "--rounds", "1",
+                          "--steps", "3", "--threads", "1"], capture_output=True, text=True, cwd=root,
+                         timeout=120,
                          env={**__import__("os").environ, "PYTHONPATH": str(root)})
     assert out.returncode == 0, out.stderr
-    ms = {k: float(v) for k, v in re.findall(r"(matmuls only|whole forward|all but matmuls)\s+([\d.]+) ms", out.stdout)}
+    ms = {k: float(v) for k, v in re.findall(r"(matmuls only|whole forward|all but matmuls)\s+([\d.]+) ms",
+                                             out.stdout)}
     assert set(ms) == {"matmuls only", "whole forward", "all but matmuls"} and all(v > 0 for v in ms.values())
     assert "right after a matmul" in out.stdout and "RMSNorm" in out.stdout

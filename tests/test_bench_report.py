@@ -15,7 +15,8 @@ KEY = "sk-report-0123456789"
 def complete() -> BenchReport:
     return BenchReport(model="m", precision="bf16", hardware="H200 SXM", parallel="tp=1",
                        input_lengths="fixed 128", output_lengths="fixed 64", load="4 req/s", warmup=5,
-                       prefix_caching=False, n_ok=10, n_failed=0, input_tok_s=1.0, output_tok_s=2.0, requests_s=0.1,
+                       prefix_caching=False, n_ok=10, n_failed=0, input_tok_s=1.0, output_tok_s=2.0,
+                       requests_s=0.1,
                        latency_ms={m: {"p50": 1.0, "p95": 2.0, "p99": 3.0} for m in ("ttft", "tpot", "itl", "e2e")})
 
 
@@ -49,7 +50,8 @@ def test_from_a_minillm_run_only_what_the_server_cannot_say_is_missing(capsys, t
     srv = ServerThread(ServerConfig(model="tiny", device="cpu", dtype="fp32", port=0, api_keys=[KEY],
                                     max_model_len=256, enable_prefix_caching=False)).start()
     try:
-        cfg = BenchConfig(base_url=srv.url, api_key=KEY, num_prompts=6, random_input_len=12, random_output_len=6,
+        cfg = BenchConfig(base_url=srv.url, api_key=KEY, num_prompts=6, random_input_len=12,
+                          random_output_len=6,
                           ignore_eos=True, request_rate=50, warmup=1, timeout_s=120)
         info = fetch_server_info(cfg)
         assert info["dtype"] == "fp32" and info["prefix_caching"] is False and "CPU" in info["hardware"]

@@ -41,7 +41,7 @@ def limited():
 def _cfg(url: str, **kw) -> BenchConfig:
     base = dict(base_url=url, api_key=KEY, num_prompts=8, random_input_len=16, random_output_len=8,
                 random_range_ratio=0.5, ignore_eos=True, timeout_s=120,
-                prompt_nonce=0)    # the same prompts every run: a random tiny model may stream no text for some
+                prompt_nonce=0)  # the same prompts every run: a random tiny model may stream no text for some
     base.update(kw)
     return BenchConfig(**base)
 
@@ -100,7 +100,8 @@ def test_unique_prompts_and_same_prompt():
     assert [r.prompt.split()[1:] for r in a] == [r.prompt.split()[1:] for r in b]
     assert all(x.prompt.split()[0] != y.prompt.split()[0] for x, y in zip(a, b))
     assert range_bounds(100, 0.25) == (75, 125)
-    outs = [r.output_len for r in sample_requests(400, input_len=10, output_len=100, range_ratio=0.25, seed=0)]
+    outs = [r.output_len for r in sample_requests(400, input_len=10, output_len=100, range_ratio=0.25,
+                                                  seed=0)]
     assert min(outs) >= 75 and max(outs) <= 125 and max(outs) - min(outs) > 30
     with pytest.raises(ValueError):
         range_bounds(10, 1.0)
@@ -133,7 +134,8 @@ def test_429_is_a_failed_request(limited):
 def test_cli_writes_json_that_loads_back(server, tmp_path, capsys):
     from minillm.cli import main
     rc = main(["bench-serve", "--base-url", server.url, "--api-key", KEY, "--num-prompts", "8",
-               "--random-input-len", "12", "--random-output-len", "6", "--ignore-eos", "--request-rate", "100",
+               "--random-input-len", "12", "--random-output-len", "6", "--ignore-eos", "--request-rate",
+               "100",
                "--burstiness", "2", "--goodput", "ttft:10000", "--save-result", "--result-dir", str(tmp_path),
                "--result-filename", "r.json", "--warmup", "1"])
     out = capsys.readouterr().out
@@ -181,17 +183,15 @@ def test_schedule_inf_is_all_at_once():
 # vLLM's /v1/completions with include_usage: several tokens may share a chunk, the usage comes in a
 # last chunk with empty choices, then [DONE].
 VLLM = (
-    'data: {"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":"Hello",'
-    '"logprobs":null,"finish_reason":null}],"usage":null}\n\n'
-    'data: {"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":" wor'
-    'ld, how","logprobs":null,"finish_reason":null}],"usage":null}\n\n'
-    'data: {"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":"",'
-    '"logprobs":null,"finish_reason":null}],"usage":null}\n\n'
-    'data: {"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":" are",'
-    '"logprobs":null,"finish_reason":"length"}],"usage":null}\n\n'
-    'data: {"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[],'
-    '"usage":{"prompt_tokens":7,"total_tokens":13,"completion_tokens":6}}\n\n'
-    'data: [DONE]\n\n')
+    'data: '
+    '{"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":"Hello","logprobs":null,"finish_reason":null}],"usage":null}\n\ndata: '
+    '{"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":" world, '
+    'how","logprobs":null,"finish_reason":null}],"usage":null}\n\ndata: '
+    '{"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":"","logprobs":null,"finish_reason":null}],"usage":null}\n\ndata: '
+    '{"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":" '
+    'are","logprobs":null,"finish_reason":"length"}],"usage":null}\n\ndata: '
+    '{"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[],"usage":{"prompt_tokens":7,"total_tokens":13,"completion_tokens":6}}\n\ndata: '
+    '[DONE]\n\n')
 
 # SGLang-style chat stream: CRLF line endings, a role-only first chunk, keep-alive comments.
 SGLANG = (
@@ -225,7 +225,7 @@ def test_sse_vllm_completions(piece):
     _, col = _replay(VLLM, chat=False, piece=piece)
     assert col.done and col.error is None
     assert "".join(t for _, _, t in col.chunks) == "Hello world, how are"
-    assert [t for _, _, t in col.chunks] == ["Hello", " world, how", "", " are"]   # usage chunk has no choices
+    assert [t for _, _, t in col.chunks] == ["Hello", " world, how", "", " are"]  # usage chunk has no choices
     rec = col.record(t_done_ns=10**12)
     m = client_request_metrics(rec)
     assert m.ok and m.output_tokens == 6 and m.prompt_tokens == 7       # from usage, not counted chunks
@@ -335,11 +335,13 @@ class _RawServer:
                     c.sendall(b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: application/json\r\n"
                               b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
                     continue
-                c.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+                c.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: "
+                          b"chunked\r\n\r\n")
                 c.sendall(_chunked(b'data: {"choices":[{"index":0,"text":"x"}]}\n\n'))
                 if mode == 0:
-                    c.sendall(_chunked(b'data: {"choices":[],"usage":{"prompt_tokens":2,"completion_tokens":1}}'
-                                       b'\n\ndata: [DONE]\n\n') + b"0\r\n\r\n")
+                    c.sendall(_chunked(b'data: '
+                                       b'{"choices":[],"usage":{"prompt_tokens":2,"completion_tokens":1}}\n\ndata: '
+                                       b'[DONE]\n\n') + b"0\r\n\r\n")
                 elif mode == 1:
                     c.sendall(_chunked(b'data: {"error":{"message":"engine failed","code":500}}\n\n'
                                        b'data: [DONE]\n\n') + b"0\r\n\r\n")
@@ -401,7 +403,8 @@ def test_asgi_app_raising_mid_stream_is_a_failed_request():
 
     app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
                             Route("/v1/models", models)])
-    res = run_bench(BenchConfig(base_url="http://asgi", num_prompts=3, random_input_len=4, random_output_len=2),
+    res = run_bench(BenchConfig(base_url="http://asgi", num_prompts=3, random_input_len=4,
+                                random_output_len=2),
                     transport=httpx.ASGITransport(app=app))
     assert res.model == "asgi" and len(res.records) == 3
     assert res.n_failed == 3 and res.n_ok == 0
@@ -429,7 +432,8 @@ def test_the_clients_own_garbage_collection_is_reported():
     app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
     gc.disable()                                      # only the app's collections
     try:
-        res = run_bench(BenchConfig(base_url="http://asgi", model="m", num_prompts=3, warmup=1, random_input_len=4,
+        res = run_bench(BenchConfig(base_url="http://asgi", model="m", num_prompts=3, warmup=1,
+                                    random_input_len=4,
                                     random_output_len=1), transport=httpx.ASGITransport(app=app))
     finally:
         gc.enable()
@@ -477,18 +481,21 @@ def test_cli_has_vllm_flag_names():
     from minillm.cli import build_parser
     sub = build_parser()._subparsers._group_actions[0].choices["bench-serve"]
     flags = {s for action in sub._actions for s in action.option_strings}
-    for f in ("--base-url", "--endpoint", "--api-key", "--model", "--num-prompts", "--request-rate", "--burstiness",
+    for f in ("--base-url", "--endpoint", "--api-key", "--model", "--num-prompts", "--request-rate",
+              "--burstiness",
               "--max-concurrency", "--seed", "--ignore-eos", "--percentile-metrics", "--metric-percentiles",
               "--goodput", "--save-result", "--result-dir", "--warmup", "--dataset-name", "--dataset-path",
               "--random-input-len", "--random-output-len", "--random-range-ratio", "--same-prompt"):
         assert f in flags, f
-    a = build_parser().parse_args(["bench-serve", "--request-rate", "inf", "--goodput", "ttft:100", "tpot:20"])
+    a = build_parser().parse_args(["bench-serve", "--request-rate", "inf", "--goodput", "ttft:100",
+                                   "tpot:20"])
     assert math.isinf(a.request_rate) and a.goodput == ["ttft:100", "tpot:20"]
     assert parse_goodput(a.goodput) == {"ttft": 100.0, "tpot": 20.0}
 
 
 def test_lognormal_lengths_have_a_right_tail():
-    reqs = sample_requests(2000, dataset="lognormal", input_len=50, output_len=20, lognormal_sigma=0.8, seed=0)
+    reqs = sample_requests(2000, dataset="lognormal", input_len=50, output_len=20, lognormal_sigma=0.8,
+                           seed=0)
     ins = np.array([r.input_len for r in reqs])
     assert abs(np.median(ins) - 50) <= 5 and ins.mean() > np.median(ins) and ins.min() >= 1
     assert all(len(r.prompt.split()) == r.input_len for r in reqs[:50])
@@ -553,7 +560,8 @@ def test_tokenizer_counts_a_server_without_usage():
         return StreamingResponse(gen(), media_type="text/event-stream")
 
     app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
-    cfg = BenchConfig(base_url="http://asgi", model="m", num_prompts=2, random_input_len=5, random_output_len=8)
+    cfg = BenchConfig(base_url="http://asgi", model="m", num_prompts=2, random_input_len=5,
+                      random_output_len=8)
     without = run_bench(cfg, transport=httpx.ASGITransport(app=app))
     assert without.summary.output_tokens == 2 * 3                 # one per chunk: an undercount
     from dataclasses import replace
@@ -586,7 +594,8 @@ def test_progress_bar_and_sweep(server, capsys):
 def test_cli_sweep_writes_one_json_per_point_and_a_table(server, tmp_path, capsys):
     from minillm.cli import main
     rc = main(["bench-serve", "--base-url", server.url, "--api-key", KEY, "--num-prompts", "3",
-               "--random-input-len", "8", "--random-output-len", "4", "--ignore-eos", "--sweep-rate", "50,100",
+               "--random-input-len", "8", "--random-output-len", "4", "--ignore-eos", "--sweep-rate",
+               "50,100",
                "--save-result", "--result-dir", str(tmp_path), "--disable-tqdm"])
     out = capsys.readouterr().out
     assert rc == 0, out
@@ -610,10 +619,12 @@ def test_drawn_and_completion_rates_tell_whether_the_server_kept_up():
         recs = []
         for i, d in enumerate(done_s):
             t0 = int(i / rate * 1e9)
-            cr = ClientRecord(f"r{i}", t0, [(t0 + 1000, None, "x"), (int(d * 1e9), None, "y")], int(d * 1e9), 4)
+            cr = ClientRecord(f"r{i}", t0, [(t0 + 1000, None, "x"), (int(d * 1e9), None, "y")], int(d * 1e9),
+                              4)
             recs.append(RequestRecord(i, i / rate, cr, 200, 4, 2))
         cfg = BenchConfig(base_url="http://x", request_rate=rate)
-        return BenchResult(cfg, "m", recs, [], summarize([client_request_metrics(r.record) for r in recs]), {})
+        return BenchResult(cfg, "m", recs, [], summarize([client_request_metrics(r.record) for r in recs]),
+                           {})
 
     steady = result([i + 0.5 for i in range(10)])              # each done 0.5 s after its arrival
     assert drawn_rate(steady) == pytest.approx(1.0) and served_completion_rate(steady) == pytest.approx(1.0)

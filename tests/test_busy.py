@@ -48,7 +48,8 @@ def test_the_warning_fires_on_a_constructed_noisy_result(capsys):
     busy.report(busy.machine_busy(load1=3.0, cores=2), samples, quiet_line="quiet")
     out = capsys.readouterr().out
     assert out.count("WARNING:") == 2 and "!!!!" in out and "quiet" not in out
-    busy.report(busy.machine_busy(load1=0.1, cores=2), {"batch 1": samples["batch 1"]}, quiet_line="all quiet")
+    busy.report(busy.machine_busy(load1=0.1, cores=2), {"batch 1": samples["batch 1"]},
+                quiet_line="all quiet")
     assert capsys.readouterr().out.strip() == "all quiet"
 
 
@@ -73,7 +74,8 @@ def test_one_spread_test_for_rows_and_summaries():
     import numpy as np
 
     from minillm.experiments import outside_steps
-    rows = {"steady": [1.0, 1.02, 0.99, 1.01, 1.0], "jumpy": [1.0, 1.0, 5.0, 1.0, 9.0], "edge": [1.0, 1.0, 1.3, 1.4]}
+    rows = {"steady": [1.0, 1.02, 0.99, 1.01, 1.0], "jumpy": [1.0, 1.0, 5.0, 1.0, 9.0],
+            "edge": [1.0, 1.0, 1.3, 1.4]}
     flagged = busy.noisy_rows(rows)
     for key, xs in rows.items():
         p10, p90 = np.percentile(xs, [10, 90])

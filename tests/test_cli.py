@@ -38,7 +38,8 @@ def test_engine_flags_parse_into_engine_config():
         "serve", "--model", "tiny", "--device", "cpu", "--scheduling-policy", "prefill-first",
         "--max-num-batched-tokens", "512", "--no-enable-prefix-caching", "--enforce-eager",
         "--max-batch-size", "8", "--max-model-len", "128", "--kv-memory-fraction", "0.25", "--port", "0"])
-    want = EngineConfig(model="tiny", device="cpu", scheduling_policy="prefill-first", max_num_batched_tokens=512,
+    want = EngineConfig(model="tiny", device="cpu", scheduling_policy="prefill-first",
+                        max_num_batched_tokens=512,
                         enable_prefix_caching=False, enforce_eager=True, max_batch_size=8, max_model_len=128,
                         kv_memory_fraction=0.25)
     assert EngineConfig.from_args(a) == want
@@ -50,7 +51,8 @@ def test_engine_flags_parse_into_engine_config():
     # generate: one KV slot unless told otherwise; its --seed seeds the sampling, not the weights
     g = build_parser().parse_args(["generate", "hi", "--seed", "5", "--enable-prefix-caching"])
     assert EngineConfig.from_args(g, exclude=("seed",), max_batch_size=1) == EngineConfig(max_batch_size=1)
-    g = build_parser().parse_args(["generate", "hi", "--max-batch-size", "4", "--scheduling-policy", "chunked"])
+    g = build_parser().parse_args(["generate", "hi", "--max-batch-size", "4", "--scheduling-policy",
+                                   "chunked"])
     assert EngineConfig.from_args(g, exclude=("seed",), max_batch_size=1).max_batch_size == 4
 
 

@@ -10,7 +10,8 @@ from minillm.loadgen.client_overhead import ClientOverhead, StubServer, measure_
 
 
 def test_stub_stream_is_what_bench_serve_expects():
-    res = run_bench(BenchConfig(base_url="http://stub", num_prompts=20, max_concurrency=20, random_input_len=4,
+    res = run_bench(BenchConfig(base_url="http://stub", num_prompts=20, max_concurrency=20,
+                                random_input_len=4,
                                 random_output_len=1), transport=httpx.ASGITransport(app=stub_app()))
     assert res.model == "stub" and res.n_ok == 20 and res.n_failed == 0
     assert res.summary.output_tokens == 20 and res.summary.input_tokens == 80

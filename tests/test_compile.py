@@ -73,7 +73,8 @@ def test_compile_refused_with_the_reason_when_unavailable(monkeypatch):
     try:
         assert "C++ compiler" in compiled.compile_unavailable("cpu")
         with pytest.raises(ValueError, match="compile=True, but torch.compile cannot run here"):
-            LLMEngine(load_model("tiny", device="cpu"), load_tokenizer(None), max_batch_size=1, max_model_len=16,
+            LLMEngine(load_model("tiny", device="cpu"), load_tokenizer(None), max_batch_size=1,
+                      max_model_len=16,
                       compile=True)
     finally:
         compiled._cxx_compiler.cache_clear()

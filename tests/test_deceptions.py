@@ -127,15 +127,18 @@ def test_figures_draw_from_the_pairs(server, tmp_path):
     assert all(p.exists() for p in paths) and (tmp_path / "data" / "10-6-repeated-prompt.json").exists()
     honest.save(honest.plot_cold_warm(pair), "10-6-cold-vs-warm", "test", pair.to_dict(), tmp_path)
     sweep = dec.RateSweep(4.0, [{"offered_rate": 1, "achieved_rate": 1, "ttft_p50_ms": 10, "ttft_p99_ms": 30},
-                                {"offered_rate": 5, "achieved_rate": 3.9, "ttft_p50_ms": 200, "ttft_p99_ms": 900}],
+                                {"offered_rate": 5, "achieved_rate": 3.9, "ttft_p50_ms": 200,
+                                 "ttft_p99_ms": 900}],
                           {"achieved_rate": 3.5, "ttft_p99_ms": 25, "max_concurrency": 4})
-    honest.save(honest.plot_latency_vs_rate(sweep, slo_ms=1000), "10-6-latency-vs-rate", "test", sweep.to_dict(), tmp_path)
+    honest.save(honest.plot_latency_vs_rate(sweep, slo_ms=1000), "10-6-latency-vs-rate", "test",
+                sweep.to_dict(), tmp_path)
     assert (tmp_path / "10-6-latency-vs-rate.svg").exists()
 
 
 def test_bench_deceptions_command_runs_all_four_pairs(tmp_path, capsys):
     from minillm.cli import main
-    rc = main(["bench-deceptions", "--model", "tiny", "--num-prompts", "4", "--input-len", "40", "--output-len", "4",
+    rc = main(["bench-deceptions", "--model", "tiny", "--num-prompts", "4", "--input-len", "40",
+               "--output-len", "4",
                "--concurrency", "2", "--json", str(tmp_path / "d.json")])
     out = capsys.readouterr().out
     assert rc == 0, out

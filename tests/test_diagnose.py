@@ -82,7 +82,8 @@ def steps(t0: float, t1: float, step_ms: float = 10.0, host: float = 0.1,
                  start + wall]
         return StepRecord(step=len(out), t_start_ns=ns(start), t_ns=[ns(m) for m in marks], num_rows=4,
                           num_prefill_rows=int(prefill_tokens > 0), num_prefill_tokens=prefill_tokens,
-                          num_decode_rows=0 if prefill_tokens else 4, num_decode_tokens=0 if prefill_tokens else 4)
+                          num_decode_rows=0 if prefill_tokens else 4,
+                          num_decode_tokens=0 if prefill_tokens else 4)
     while t < t1:
         if prefill_at and prefill_at[0] <= t < prefill_at[1]:
             out.append(one(prefill_at[0], prefill_at[1] - prefill_at[0], prefill_at[2]))
@@ -207,7 +208,8 @@ def test_the_outside_line_is_the_chapters_and_importing_needs_no_torch():
     assert Thresholds().outside_share == 0.30                     # the chapter's "about 30 %"
     # the CLI builds this parser for every command, `doctor` included: no torch at import time
     code = "import sys, minillm.metrics.diagnose; print('torch' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip() == "False"
 
 
 def test_thresholds_are_parameters():
@@ -332,7 +334,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def test_cli_reads_a_traces_file(tmp_path, capsys):
     path = tmp_path / "traces.json"
-    items = [{"request_id": t.request_id, "events": [e.as_dict() for e in t.events]} for t in long_prefill_traces()]
+    items = [{"request_id": t.request_id,
+              "events": [e.as_dict() for e in t.events]} for t in long_prefill_traces()]
     path.write_text(json.dumps({"object": "list", "data": items, "next": None}))
     a = parse(["diagnose", "--traces", str(path)])
     assert a.fn(a) == 0
@@ -354,7 +357,7 @@ def test_cli_needs_a_source():
 def test_the_diagnosis_names_the_collector(gc_ms, cause):
     traces = [request(f"d{i}", 0, 1, 5, 40, pauses={15: 300}) for i in range(4)]   # token 15 at 456 ms
     recs = steps(0, 800)
-    stalled = next(r for r in recs if r.t_start_ns == 150_000_000)                 # inside every gap 146 → 456
+    stalled = next(r for r in recs if r.t_start_ns == 150_000_000)                # inside every gap 146 → 456
     stalled.gc_ms = gc_ms
     d = diagnose(traces, recs)
     assert d.cause == STUTTERS and d.stage == cause, d.text()
@@ -409,7 +412,7 @@ def test_a_live_server_over_http(tmp_path, capsys):
         finally:
             gc.enable()
         assert all(r.status == 200 for r in results), [r.error for r in results]
-        items = server_api.fetch_trace_items(srv.url, None, key, page_size=3)             # three pages and a bit
+        items = server_api.fetch_trace_items(srv.url, None, key, page_size=3)          # three pages and a bit
         assert len(items) == 8 and len({it["request_id"] for it in items}) == 8
         d, fetched = server_api.diagnose_server(srv.url + "/v1", key, page_size=3)
         assert d.n_completed == 8 and d.n_steps > 0, d.text()

@@ -153,7 +153,8 @@ def test_closing_a_stream_early_aborts_and_frees_the_slot(tiny_llm):
 def test_trace_records_every_stage_in_order(tiny_llm):
     out = tiny_llm.generate(["trace me"], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0]
     names = [e.event for e in out.trace]
-    first = ["received", "tokenized", "enqueued", "scheduled", "prefill_start", "prefill_chunk", "prefill_end",
+    first = ["received", "tokenized", "enqueued", "scheduled", "prefill_start", "prefill_chunk",
+             "prefill_end",
              "token"]
     assert names[:len(first)] == first
     assert names.count("token") == 5 and names[-1] == "finished"

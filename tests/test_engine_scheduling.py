@@ -1,5 +1,5 @@
-"""The engine's scheduling and caches (design.md §8): parity with transformers under both policies and any chunk budget,
-mixed batches against recomputation, stale slots, static decode, sampling, output rules, step
+"""The engine's scheduling and caches (design.md §8): parity with transformers under both policies and any
+chunk budget, mixed batches against recomputation, stale slots, static decode, sampling, output rules, step
 records, the prefix cache, thread ownership and the KV-size refusal.
 
 The reference is a tiny random Llama saved with ``save_pretrained`` (fp32, CPU), as in
@@ -454,11 +454,14 @@ def test_stop_token_ids_and_include_stop_str(out_llm):
     t0, t1 = _text_of(llm, p, i), _text_of(llm, p, i + 1)
     piece = t1[len(t0):]
     assert t1.startswith(t0) and piece.strip()
-    out = llm.generate([p], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop_token_ids=[stop]))[0]
+    out = llm.generate([p],
+                       SamplingParams(max_tokens=20, temperature=0, ignore_eos=True,
+                                      stop_token_ids=[stop]))[0]
     assert out.finish_reason == "stop" and out.token_ids == base[:i + 1]
     assert out.text == t0
-    inc = llm.generate([p], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop_token_ids=[stop],
-                                           include_stop_str_in_output=True))[0]
+    inc = llm.generate([p],
+                       SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop_token_ids=[stop],
+                                      include_stop_str_in_output=True))[0]
     assert inc.finish_reason == "stop" and inc.text == t1 and inc.text.endswith(piece)
 
 
@@ -554,7 +557,7 @@ def test_step_history_is_bounded(ckpt):
     llm.generate([rand_prompt(4, 1700)], greedy(12))
     recs = list(llm.engine.step_history)
     assert len(recs) == 5
-    assert [r.step for r in recs] == list(range(7, 12))        # the last five of 12 steps (1 prefill, 11 decodes)
+    assert [r.step for r in recs] == list(range(7, 12))    # the last five of 12 steps (1 prefill, 11 decodes)
 
 
 # ---------------------------------------------------------------------------- prefix cache

@@ -34,10 +34,12 @@ from minillm.serving.server import ServerConfig, ServerThread
 KEY = "sk-fuzz-0123456789abcdef"
 # 400s no schema can foresee: the prompt's length once tokenized, and min_tokens against max_tokens
 # (a comparison of two fields, which JSON Schema cannot state)
-SEMANTIC_REFUSALS = {"context_length_exceeded": None, "invalid_request": "min_tokens"}   # code → param (None: any)
+# code → param (None: any)
+SEMANTIC_REFUSALS = {"context_length_exceeded": None, "invalid_request": "min_tokens"}
 MAX_EXAMPLES = 30
 # Every operation of the API. A new route must be added here (test_every_operation_is_fuzzed).
-OPERATIONS = ["GET /health", "GET /v1/models", "GET /v1/models/{model_id}", "POST /tokenize", "POST /detokenize",
+OPERATIONS = ["GET /health", "GET /v1/models", "GET /v1/models/{model_id}", "POST /tokenize",
+              "POST /detokenize",
               "GET /v1/traces", "GET /v1/steps", "GET /v1/server-info", "POST /v1/completions",
               "POST /v1/chat/completions"]
 # Operations with a body or parameters to break: the others have nothing a negative example can change.
@@ -117,7 +119,8 @@ def assert_openai_error_body(status: int, content: bytes, context: str = "") -> 
 
 
 def assert_serves(srv) -> None:
-    r = httpx.post(srv.url + "/v1/completions", json={"prompt": "still here?", "max_tokens": 2}, headers=auth(),
+    r = httpx.post(srv.url + "/v1/completions", json={"prompt": "still here?", "max_tokens": 2},
+                   headers=auth(),
                    timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text
 
@@ -153,7 +156,8 @@ def _fuzz(server, operation, mode: GenerationMode) -> dict[int, int]:
             assert err["code"] in SEMANTIC_REFUSALS, (err, case.body)
             assert SEMANTIC_REFUSALS[err["code"]] in (None, err["param"]), (err, case.body)
         if 400 <= r.status_code < 500:
-            assert_openai_error_body(r.status_code, r.content, f"{case.method} {case.path} {case.body!r:.300}")
+            assert_openai_error_body(r.status_code, r.content,
+                                     f"{case.method} {case.path} {case.body!r:.300}")
 
     run()
     return codes
@@ -205,7 +209,8 @@ def test_query_parameters_fuzz(server, route):
                   suppress_health_check=list(HealthCheck))
         @given(params=st.dictionaries(st.sampled_from(["limit", "after", "request_id", "x"]),
                                       st.one_of(_QUERY_TEXT, st.integers(-10**30, 10**30).map(str),
-                                                st.sampled_from(["²", "٣", "1e3", "0x1", " 1", "1 ", "+1", "9" * 5000])),
+                                                st.sampled_from(["²", "٣", "1e3", "0x1", " 1", "1 ", "+1",
+                                                                 "9" * 5000])),
                                       max_size=3))
         def run(params):
             with settled(server):
@@ -223,8 +228,10 @@ def test_authorization_header_fuzz(server):
     with httpx.Client(timeout=60) as c:
         @settings(max_examples=60, deadline=None, derandomize=True, database=None,
                   suppress_health_check=list(HealthCheck))
-        @given(value=st.one_of(st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0x7e), max_size=80),
-                               st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0x7e), max_size=40)
+        @given(value=st.one_of(st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0x7e),
+                                       max_size=80),
+                               st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0x7e),
+                                       max_size=40)
                                .map(lambda s: "Bearer " + s)))
         def run(value):
             value = value.strip()            # a header value cannot start or end with blanks (RFC 9110)
@@ -252,7 +259,8 @@ WRONG_TYPES = {
     "stop": [1, True, {}, [1], [None], [["a"]], ["a"] * 5],
     "object": ["x", 1, [], True],
 }
-COMPLETION_FIELDS = {"prompt": "str", "model": "str", "max_tokens": "int", "temperature": "number", "top_p": "number",
+COMPLETION_FIELDS = {"prompt": "str", "model": "str", "max_tokens": "int", "temperature": "number",
+                     "top_p": "number",
                      "top_k": "int", "seed": "int", "stop": "stop", "stream": "bool", "ignore_eos": "bool",
                      "include_stop_str_in_output": "bool", "min_tokens": "int", "n": "int", "user": "str",
                      "logprobs": "int", "stream_options": "object"}
@@ -274,17 +282,21 @@ def _typed_cases():
                 path = "/v1/chat/completions" if chat else "/v1/completions"
                 out.append(pytest.param(path, json.dumps(body).encode(), name,
                                         id=f"{'chat' if chat else 'cmpl'}-{name}-{json.dumps(v)[:12]}"))
-    for v in (1, None, [], {}, "x", [{"role": "user"}], [{"content": "x"}], [{"role": "robot", "content": "x"}],
-              [{"role": "user", "content": 5}], [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+    for v in (1, None, [], {}, "x", [{"role": "user"}], [{"content": "x"}],
+              [{"role": "robot", "content": "x"}],
+              [{"role": "user", "content": 5}],
+              [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
               [{"role": "user", "content": [{"type": "text", "text": 5}]}], ["hi"]):
-        out.append(pytest.param("/v1/chat/completions", json.dumps({"messages": v, "max_tokens": 2}).encode(), None,
+        out.append(pytest.param("/v1/chat/completions",
+                                json.dumps({"messages": v, "max_tokens": 2}).encode(), None,
                                 id=f"chat-messages-{json.dumps(v)[:20]}"))
     return out
 
 
 def _huge_cases():
     out = []
-    for path, base in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", {"messages": CHAT_MSGS})):
+    for path, base in (("/v1/completions", {"prompt": "hi"}),
+                       ("/v1/chat/completions", {"messages": CHAT_MSGS})):
         short = "cmpl" if "chat" not in path else "chat"
         fields = ["max_tokens", "seed", "min_tokens", "n", "temperature", "top_p"] + (
             ["max_completion_tokens", "top_logprobs"] if short == "chat" else ["logprobs"])
@@ -314,11 +326,15 @@ def _nonfinite_cases():
     return out
 
 
-MALFORMED = [b"", b" ", b"{", b"}", b"{]", b'{"prompt": "hi",}', b"{'prompt': 'hi'}", b'{"prompt": "hi"} trailing',
-             b"\xff\xfe\x00\x00", b'{"prompt": "\xff\xfe"}', b"[]", b"[1, 2, 3]", b'[{"prompt": "hi"}]', b"null",
-             b"true", b"1", b'"prompt"', b"[" * 10_000 + b"]" * 10_000, b'{"a": ' * 10_000 + b"1" + b"}" * 10_000,
+MALFORMED = [b"", b" ", b"{", b"}", b"{]", b'{"prompt": "hi",}', b"{'prompt': 'hi'}",
+             b'{"prompt": "hi"} trailing',
+             b"\xff\xfe\x00\x00", b'{"prompt": "\xff\xfe"}', b"[]", b"[1, 2, 3]", b'[{"prompt": "hi"}]',
+             b"null",
+             b"true", b"1", b'"prompt"', b"[" * 10_000 + b"]" * 10_000,
+             b'{"a": ' * 10_000 + b"1" + b"}" * 10_000,
              b'{"prompt": "hi", "x": ' + b"[" * 10_000 + b"]" * 10_000 + b"}",
-             b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}", b'{"prompt": "hi", "max_tokens": 1e400}',
+             b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}",
+             b'{"prompt": "hi", "max_tokens": 1e400}',
              b'{"\\ud800": 1, "prompt": "hi"}', b'{"prompt": "hi", "stop": ["\\udfff"]}']
 
 
@@ -331,7 +347,8 @@ IGNORED_BY_TOKENIZE = (b'{"prompt": "hi", "max_tokens": 1e400}',)    # a field /
     if not (path in ("/tokenize", "/detokenize") and raw in IGNORED_BY_TOKENIZE)])
 @settle
 def test_malformed_bodies_are_4xx(server, path, raw):
-    r = httpx.post(server.url + path, content=raw, headers={**auth(), "Content-Type": "application/json"}, timeout=60)
+    r = httpx.post(server.url + path, content=raw, headers={**auth(), "Content-Type": "application/json"},
+                   timeout=60)
     assert_openai_error_body(r.status_code, r.content, repr(raw[:60]))
     assert r.status_code in (400, 404, 413), r.status_code
 
@@ -339,7 +356,8 @@ def test_malformed_bodies_are_4xx(server, path, raw):
 @pytest.mark.parametrize("path,raw,param", _typed_cases() + _huge_cases() + _nonfinite_cases())
 @settle
 def test_bad_field_values_are_400_naming_the_field(server, path, raw, param):
-    r = httpx.post(server.url + path, content=raw, headers={**auth(), "Content-Type": "application/json"}, timeout=60)
+    r = httpx.post(server.url + path, content=raw, headers={**auth(), "Content-Type": "application/json"},
+                   timeout=60)
     assert r.status_code != 500, r.text[:300]
     err = assert_openai_error_body(r.status_code, r.content, repr(raw[:120]))
     assert r.status_code == 400, (r.status_code, err)
@@ -354,7 +372,8 @@ def test_bad_field_values_are_400_naming_the_field(server, path, raw, param):
 @settle
 def test_the_server_serves_after_all_that(server):
     assert_serves(server)
-    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": CHAT_MSGS, "max_tokens": 2, "stream": True},
+    r = httpx.post(server.url + "/v1/chat/completions",
+                   json={"messages": CHAT_MSGS, "max_tokens": 2, "stream": True},
                    headers=auth(), timeout=60)
     assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
     t_end = time.monotonic() + 30

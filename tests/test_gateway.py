@@ -60,7 +60,8 @@ def test_error_has_openai_shape():
     e = GatewayError(429, "rate_limited", "slow down", headers={"Retry-After": "3"}, param=None)
     assert e.to_openai_error() == {"error": {"message": "slow down", "type": "rate_limit_error",
                                              "param": None, "code": "rate_limited"}}
-    assert GatewayError(400, "invalid_request", "x", param="top_p").to_openai_error()["error"]["param"] == "top_p"
+    assert GatewayError(400, "invalid_request", "x",
+                        param="top_p").to_openai_error()["error"]["param"] == "top_p"
     assert GatewayError(503, "queue_full", "x").type == "server_error"
     assert GatewayError(401, "invalid_api_key", "x").type == "invalid_request_error"
     assert str(e) == "slow down"
@@ -73,7 +74,7 @@ def test_auth_accepts_bearer_and_returns_an_alias_not_the_key_nor_its_hash():
     auth = APIKeyAuth([KEY, OTHER], admin_key="sk-admin-Xx-0000")
     kid = auth.check(f"Bearer {KEY}")
     assert kid == "key-1" and KEY not in kid
-    assert hashlib.sha256(KEY.encode()).hexdigest()[:8] not in repr(auth)   # no fingerprint to test guesses on
+    assert hashlib.sha256(KEY.encode()).hexdigest()[:8] not in repr(auth)  # no fingerprint to test guesses on
     assert auth.check(f"bearer   {OTHER}  ") == "key-2"                    # scheme is case-insensitive
     assert auth.check("Bearer sk-admin-Xx-0000") == "admin" and auth.has_admin
     assert not auth.open
@@ -218,15 +219,18 @@ def test_parse_completion_normalises():
     assert (r.prompt, r.model, r.max_tokens, r.temperature, r.top_k, r.seed) == ("hi", "tiny", 8, 0.0, 5, 3)
     assert r.stop == ["\n"] and r.stream and r.include_usage and r.ignore_eos and r.user == "u1"
     d = parse_completion_body({"prompt": "hi"}, chat=False)
-    assert (d.max_tokens, d.temperature, d.top_p, d.top_k, d.stop, d.stream, d.model) == (None, 1.0, 1.0, -1, [], False, None)
+    assert (d.max_tokens, d.temperature, d.top_p, d.top_k, d.stop, d.stream,
+            d.model) == (None, 1.0, 1.0, -1, [], False, None)
 
 
 def test_parse_chat_messages():
     r = parse_completion_body({"messages": [
         {"role": "system", "content": "be brief"},
-        {"role": "user", "content": [{"type": "text", "text": "he"}, {"type": "text", "text": "llo"}], "name": "x"},
+        {"role": "user", "content": [{"type": "text", "text": "he"}, {"type": "text", "text": "llo"}],
+         "name": "x"},
     ], "max_completion_tokens": 5, "max_tokens": 9}, chat=True)
-    assert r.chat and r.prompt == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    assert r.chat and r.prompt == [{"role": "system", "content": "be brief"},
+                                   {"role": "user", "content": "hello"}]
     assert r.max_tokens == 5                                   # the new name wins
 
 
@@ -267,7 +271,8 @@ def test_parse_chat_messages():
     ({"prompt": "x", "user": 3}, "user", "string"),
 ])
 def test_parse_completion_rejects(body, param, fragment):
-    raises(lambda: parse_completion_body(body, chat=False), 400, "invalid_request", param=param, match=fragment)
+    raises(lambda: parse_completion_body(body, chat=False), 400, "invalid_request", param=param,
+           match=fragment)
 
 
 def test_parse_accepts_what_sampling_params_accepts():
@@ -283,7 +288,8 @@ def test_parse_accepts_what_sampling_params_accepts():
 # (JSON null is the API's "not given": it takes the default, so it is not compared here.)
 @pytest.mark.parametrize("field, value", [
     ("top_k", 0), ("top_k", -1), ("top_k", 1), ("top_k", -2), ("top_k", 1.5), ("top_k", True),
-    ("temperature", 0), ("temperature", 3e-39), ("temperature", 2.5), ("temperature", 100), ("temperature", 100.5),
+    ("temperature", 0), ("temperature", 3e-39), ("temperature", 2.5), ("temperature", 100),
+    ("temperature", 100.5),
     ("temperature", -1e-9), ("top_p", 1e-300), ("top_p", 1), ("top_p", 0), ("top_p", 1.01),
     ("seed", 2 ** 64 - 1), ("seed", 2 ** 64), ("seed", -(2 ** 63)), ("seed", -(2 ** 63) - 1),
     ("max_tokens", 1), ("max_tokens", 0), ("ignore_eos", True), ("ignore_eos", 0),
@@ -312,20 +318,25 @@ def test_gateway_and_sampling_params_agree(field, value):
     ({"messages": "hi"}, "messages", "list"),
     ({"messages": ["hi"]}, "messages[0]", "object"),
     ({"messages": [{"content": "hi"}]}, "messages[0].role", "must be one of"),
-    ({"messages": [{"role": "user", "content": "a"}, {"role": "wizard", "content": "hi"}]}, "messages[1].role", "wizard"),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "wizard", "content": "hi"}]},
+     "messages[1].role", "wizard"),
     ({"messages": [{"role": "user"}]}, "messages[0].content", "required"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "string"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]", "text"),
-    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "max_completion_tokens", "≥ 1"),
-    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 4, "max_tokens": -1}, "max_tokens", "≥ 1"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "max_completion_tokens",
+     "≥ 1"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 4, "max_tokens": -1},
+     "max_tokens", "≥ 1"),
 ])
 def test_parse_chat_rejects(body, param, fragment):
-    raises(lambda: parse_completion_body(body, chat=True), 400, "invalid_request", param=param, match=fragment)
+    raises(lambda: parse_completion_body(body, chat=True), 400, "invalid_request", param=param,
+           match=fragment)
 
 
 @pytest.mark.parametrize("body", [None, [], "prompt", 3])
 def test_parse_rejects_non_object_body(body):
-    raises(lambda: parse_completion_body(body, chat=False), 400, "invalid_request", param=None, match="JSON object")
+    raises(lambda: parse_completion_body(body, chat=False), 400, "invalid_request", param=None,
+           match="JSON object")
 
 
 def test_check_model():
@@ -509,7 +520,8 @@ def test_a_caller_over_its_rate_is_refused_before_anything_is_tokenized():
         calls.append(1)
         return words(req)
     clock = FakeClock()
-    g = Gateway(APIKeyAuth([KEY]), RateLimiter(requests_per_s=1, burst=1, clock=clock), None, ["tiny"], 64, counting)
+    g = Gateway(APIKeyAuth([KEY]), RateLimiter(requests_per_s=1, burst=1, clock=clock), None, ["tiny"], 64,
+                counting)
     g.admit(f"Bearer {KEY}", {"prompt": "a b", "max_tokens": 2}, chat=False)
     raises(lambda: g.admit(f"Bearer {KEY}", {"prompt": "x " * 100_000}, chat=False), 429, "rate_limited")
     assert len(calls) == 1                                     # the second prompt was never tokenized
@@ -529,7 +541,8 @@ def test_default_max_tokens_fits_a_small_token_quota():
     ("suffix", "x"), ("repetition_penalty", 1.2)])
 def test_unsupported_fields_are_refused_by_name_unless_neutral(field, value):
     g = make_gateway()
-    raises(lambda: g.admit(f"Bearer {KEY}", {"prompt": "a", field: value}, chat=False), 400, "invalid_request",
+    raises(lambda: g.admit(f"Bearer {KEY}", {"prompt": "a", field: value}, chat=False), 400,
+           "invalid_request",
            param=field, match="not supported")
     neutral = validation.UNSUPPORTED_UNLESS_NEUTRAL[field]
     if neutral:
@@ -542,7 +555,8 @@ def test_unsupported_fields_are_refused_by_name_unless_neutral(field, value):
     ({"prompt": "ok", "user": "\ud83d"}, "user"),
 ])
 def test_lone_surrogates_give_400_naming_the_field(body, param):
-    raises(lambda: make_gateway().admit(f"Bearer {KEY}", body, chat=False), 400, "invalid_request", param=param)
+    raises(lambda: make_gateway().admit(f"Bearer {KEY}", body, chat=False), 400, "invalid_request",
+           param=param)
 
 
 def test_chat_messages_with_a_lone_surrogate_name_the_message():
@@ -558,9 +572,11 @@ def test_logprobs_and_min_tokens_reach_sampling_params():
     c = g.admit(f"Bearer {KEY}", {"messages": [{"role": "user", "content": "a"}], "logprobs": True,
                                   "top_logprobs": 4}, chat=True)
     assert c.sampling_kwargs()["logprobs"] == 4
-    raises(lambda: g.admit(f"Bearer {KEY}", {"prompt": "a", "logprobs": 99}, chat=False), 400, "invalid_request",
+    raises(lambda: g.admit(f"Bearer {KEY}", {"prompt": "a", "logprobs": 99}, chat=False), 400,
+           "invalid_request",
            param="logprobs")
-    raises(lambda: g.admit(f"Bearer {KEY}", {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2},
+    raises(lambda: g.admit(f"Bearer {KEY}",
+                           {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2},
                            chat=True), 400, "invalid_request", param="top_logprobs")
 
 

@@ -102,9 +102,11 @@ def test_serve_freezes_its_start_up_heap(tmp_path):
 def test_a_server_thread_leaves_the_heap_alone():
     """In a notebook or a test the process is not the server's: nothing is frozen there."""
     from minillm.serving.server import ServerConfig, ServerThread
-    srv = ServerThread(ServerConfig(model="tiny", device="cpu", dtype="fp32", port=0, max_model_len=128)).start()
+    srv = ServerThread(ServerConfig(model="tiny", device="cpu", dtype="fp32", port=0,
+                                    max_model_len=128)).start()
     try:
-        assert httpx.get(srv.url + "/v1/server-info", timeout=10).json()["gc_frozen_objects"] == gc.get_freeze_count() == 0
+        assert httpx.get(srv.url + "/v1/server-info",
+                         timeout=10).json()["gc_frozen_objects"] == gc.get_freeze_count() == 0
     finally:
         srv.stop()
 
@@ -114,7 +116,7 @@ def test_a_server_thread_leaves_the_heap_alone():
 def test_the_heap_measurement_adds_tracked_objects():
     from minillm.experiments.outside_gc import collection_cost_by_heap
     a, b = collection_cost_by_heap((0, 50_000), repeats=2)
-    assert 49_000 <= b.objects - a.objects <= 51_000            # small lists are tracked (atomic dicts are not)
+    assert 49_000 <= b.objects - a.objects <= 51_000          # small lists are tracked (atomic dicts are not)
     assert len(a.samples_ms) == len(b.samples_ms) == 2 and a.full_ms > 0
 
 
@@ -124,9 +126,9 @@ def test_a_decode_beside_collections_reads_them_from_the_steps(freeze):
     from minillm.experiments.outside_gc import gc_in_decode
     llm = LLM("tiny", device="cpu", max_batch_size=4)
     d = gc_in_decode(llm, every_s=0.01, freeze=freeze, batch=2, new_tokens=16)
-    assert gc.get_freeze_count() == 0                          # the caller's heap is left as it was
-    assert d.frozen == freeze and d.steps == 15                # 16 tokens: a prefill step, then 15 decode steps
-    assert d.gc_ms_max <= d.step_ms_max                        # a step's collection is inside its wall time
+    assert gc.get_freeze_count() == 0                        # the caller's heap is left as it was
+    assert d.frozen == freeze and d.steps == 15              # 16 tokens: a prefill step, then 15 decode steps
+    assert d.gc_ms_max <= d.step_ms_max                      # a step's collection is inside its wall time
     if freeze:
         assert d.objects < 1_000                               # frozen: nothing old left to walk
 

@@ -48,7 +48,8 @@ def test_unknown_gpu_has_no_spec():
 
 def test_nvml_bandwidth_formula():
     # A100 80GB: 1593 MHz x 2 x 5120 bit / 8 = 2.039 TB/s (its datasheet figure)
-    assert hw.nvml_spec_bandwidth({"mem_clock_mhz": 1593, "bus_width_bits": 5120}) == pytest.approx(2.039e12, rel=1e-3)
+    assert hw.nvml_spec_bandwidth({"mem_clock_mhz": 1593,
+                                   "bus_width_bits": 5120}) == pytest.approx(2.039e12, rel=1e-3)
     assert hw.nvml_spec_bandwidth(None) is None and hw.nvml_spec_bandwidth({"name": "x"}) is None
 
 

@@ -82,7 +82,8 @@ def layer_violations(package: Path = PACKAGE, layers: list[str] = LAYERS) -> lis
                 continue
             where = f"{path.relative_to(package.parent)}:{line} imports {mod}"
             if src not in rank or dst not in rank:
-                problems.append(f"{where}: {src if src not in rank else dst} is in no layer (add it to LAYERS)")
+                problems.append(f"{where}: {src if src not in rank else dst} is in no layer (add it to "
+                                "LAYERS)")
             elif dst == ROOT_EXPORTS or rank[dst] >= rank[src]:
                 problems.append(f"{where}: {dst} is not below {src}")
     return problems
@@ -123,7 +124,8 @@ def test_no_import_cycle_between_folders():
 
 def test_the_check_catches_an_upward_import(tmp_path):
     pkg = tmp_path / "minillm"
-    for folder, body in (("core", "from minillm.engine.runner import X\n"), ("engine", "import minillm.core\n")):
+    for folder, body in (("core", "from minillm.engine.runner import X\n"),
+                         ("engine", "import minillm.core\n")):
         (pkg / folder).mkdir(parents=True)
         (pkg / folder / "__init__.py").write_text("")
         (pkg / folder / "m.py").write_text(body)

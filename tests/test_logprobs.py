@@ -124,7 +124,8 @@ def test_sampled_rows_report_the_token_actually_chosen(ckpt, llm):
     _, hf = ckpt
     prompts = [rand_prompt(6, 40), rand_prompt(11, 41)]
     ps = [SamplingParams(max_tokens=10, temperature=1.5, seed=1, ignore_eos=True, logprobs=2),
-          SamplingParams(max_tokens=10, temperature=0.8, top_k=30, top_p=0.9, seed=2, ignore_eos=True, logprobs=4)]
+          SamplingParams(max_tokens=10, temperature=0.8, top_k=30, top_p=0.9, seed=2, ignore_eos=True,
+                         logprobs=4)]
     outs = llm.generate(prompts, ps)
     for p, sp, o in zip(prompts, ps, outs):
         check_against_reference(hf, p, o, sp.logprobs)

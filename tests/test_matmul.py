@@ -54,7 +54,8 @@ def _choice_for(model, candidate: str) -> matmul.MatmulChoice:
 
 def _greedy(model, prompts, **engine):
     eng = LLMEngine(model, load_tokenizer(None), max_batch_size=8, **engine)
-    ids = [eng.add_request(p, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)) for p in prompts]
+    ids = [eng.add_request(p,
+                           SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)) for p in prompts]
     out: dict[str, list[int]] = {i: [] for i in ids}
     while eng.has_unfinished():
         for o in eng.step():
@@ -201,4 +202,4 @@ def test_fp32_decode_attention_in_a_bf16_engine_keeps_the_logits(monkeypatch):
     matmul.apply(m2, ch)
     got, eng = _greedy(m2, prompts)
     assert eng.runner.backend.decode_upcast
-    assert [a[:4] for a in got] == [a[:4] for a in want]      # bf16: the first tokens agree; later ones may tie
+    assert [a[:4] for a in got] == [a[:4] for a in want]    # bf16: the first tokens agree; later ones may tie

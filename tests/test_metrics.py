@@ -258,7 +258,8 @@ def test_breakdown_at_percentile_uses_nearest_rank_and_explain_names_biggest_sta
     ms = []
     for i in range(1, 11):                       # TTFT = 10 + 1 + i·i ms; queue grows as i²
         tr = make_trace(f"r{i}", [("received", 0), ("tokenized", 1, {"n_tokens": 4}),
-                                  ("scheduled", 1 + i * i), ("prefill_end", 11 + i * i), ("token", 11 + i * i)])
+                                  ("scheduled", 1 + i * i), ("prefill_end", 11 + i * i),
+                                  ("token", 11 + i * i)])
         ms.append(request_metrics(tr))
     rid, bd = breakdown_at_percentile(ms, 99)
     assert rid == "r10"                          # rank ⌈0.99 · 10⌉ = 10

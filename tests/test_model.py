@@ -47,7 +47,8 @@ def test_llama3_rope_scaling_changes_logits(tmp_path):
 def _cached_logits(model, seqs, prefill_lens, cache, slots):
     """Packed prefill of every row's first tokens in one forward, then lock-step decodes of
     different lengths: logits [B, 1 + steps, V]."""
-    backend = AttentionBackend(cache, model.config.num_heads, model.config.num_kv_heads, model.config.head_dim)
+    backend = AttentionBackend(cache, model.config.num_heads, model.config.num_kv_heads,
+                               model.config.head_dim)
     cpu = torch.device("cpu")
     toks = [t for s, n in zip(seqs, prefill_lens) for t in s[:n]]
     pos = [p for n in prefill_lens for p in range(n)]
@@ -94,7 +95,8 @@ def test_twin_built_on_meta_never_fp32(monkeypatch):
     """A bf16 twin allocates bf16 parameters only: no fp32 copy is ever made."""
     seen = []
     orig = torch.Tensor.normal_
-    monkeypatch.setattr(torch.Tensor, "normal_", lambda self, *a, **k: (self.is_meta or seen.append(self.dtype), orig(self, *a, **k))[1])
+    monkeypatch.setattr(torch.Tensor, "normal_", lambda self, *a,
+                        **k: (self.is_meta or seen.append(self.dtype), orig(self, *a, **k))[1])
     m = load_model("tiny", device="cpu", dtype="bf16")
     assert m.dtype == torch.bfloat16 and set(seen) == {torch.bfloat16}
 

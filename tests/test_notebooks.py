@@ -104,7 +104,8 @@ def test_ends_with_summary_questions_exercises_and_worked_solutions(path):
 CHAPTER_HEADINGS = {"03_": "10.3 回到第一册的三个公式", "06_": "10.6 怎么压测才不骗自己"}
 
 
-@pytest.mark.parametrize("path", [p for p in NOTEBOOKS if p.name[:3] in CHAPTER_HEADINGS], ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", [p for p in NOTEBOOKS if p.name[:3] in CHAPTER_HEADINGS],
+                         ids=lambda p: p.stem)
 def test_the_chinese_heading_is_the_chapters(path):
     nb = nbformat.read(path, as_version=4)
     head = "\n".join(nb.cells[0].source.strip().splitlines()[:3])

@@ -56,7 +56,8 @@ def test_step_record_phases_are_consecutive_and_sum_to_the_wall(tiny, batch, par
 
 def test_phase_case_shares_add_up_and_survive_json(tiny):
     m, tok = tiny
-    case = measure_step_phases("tiny", batch=2, context=32, steps=4, warmup=1, device="cpu", loaded=m, tokenizer=tok)
+    case = measure_step_phases("tiny", batch=2, context=32, steps=4, warmup=1, device="cpu", loaded=m,
+                               tokenizer=tok)
     assert case.steps == 4 and all(len(case.phase_ms[p]) == 4 for p in PHASES) and len(case.wall_ms) == 4
     assert sum(case.shares.values()) == pytest.approx(1.0)
     assert case.outside_share == pytest.approx(sum(case.shares[p] for p in OUTSIDE_PHASES))
@@ -184,7 +185,8 @@ def test_batched_and_per_row_draw_from_the_same_distribution(method):
         return 0.5 * float((x - y).abs().sum())
     support = expected > 0
     assert (emp_b[~support] == 0).all() and (emp_r[~support] == 0).all(), "a filtered-out token was drawn"
-    # N = 6000 draws land ≈ 0.01–0.02 from the truth here; temperature 1.0 instead of 0.8 would be ≈ 0.075 away
+    # N = 6000 draws land ≈ 0.01–0.02 from the truth here; temperature 1.0 instead of 0.8 would be ≈ 0.075
+    # away
     assert tv(emp_b, expected) < 0.04
     assert tv(emp_r, expected) < 0.04
     assert tv(emp_b, emp_r) < 0.05
@@ -236,7 +238,8 @@ def test_sse_chunk_is_what_the_server_sends():
     assert json.loads(line[6:])["choices"][0]["text"] == "hi"
 
 
-# --------------------------------------------------------------------------------- CUDA graphs, reference files
+# --------------------------------------------------------------------------------- CUDA graphs, reference
+# files
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
 def test_graphs_comparison_refuses_a_cpu():
     from minillm.experiments.outside_graphs import run_graphs_comparison
@@ -260,7 +263,8 @@ def test_reference_files_round_trip(tmp_path):
     from minillm.experiments.outside_reference import load_outside_references, write_reference
     g = GraphsResult("cuda:0", "H200", "bf16", 4.0e12, "measured read", 512, 30, 5,
                      rows=[GraphsRow("tiny", 1, "eager", 512, step_ms=[1.0], step_ms_median=1.0, tok_s=1000.0,
-                                     bound_tok_s=2e5, pct_of_bound=0.005, device_busy=0.1, launches_per_step=300)])
+                                     bound_tok_s=2e5, pct_of_bound=0.005, device_busy=0.1,
+                                     launches_per_step=300)])
     p = write_reference(tmp_path / "figures" / "reference", "outside-graphs", g.to_dict(), "cpu", "test")
     assert p.name.startswith("outside-graphs-") and p.suffix == ".json"
     found = load_outside_references(["figures/reference", "runs/reference"], root=tmp_path)
@@ -284,7 +288,8 @@ def test_figures_are_saved_with_their_data(tmp_path, tiny):
     m, tok = tiny
     cases = [measure_step_phases("tiny", batch=b, context=32, steps=3, warmup=1, device="cpu", loaded=m,
                                  tokenizer=tok) for b in (1, 2)]
-    paths = save_step_phases(cases, "stamp", references=[PhaseCase.from_dict(cases[0].to_dict())], out_dir=tmp_path)
+    paths = save_step_phases(cases, "stamp", references=[PhaseCase.from_dict(cases[0].to_dict())],
+                             out_dir=tmp_path)
     assert [p.name for p in paths] == ["10-5-step-phases.png", "10-5-step-phases.svg"]
     data = json.loads((tmp_path / "data" / "10-5-step-phases.json").read_text())
     assert len(data["cases"]) == 2 and len(data["references"]) == 1

@@ -5,7 +5,8 @@ from pathlib import Path
 import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
-CONDA_NAMES = {"torch": "pytorch", "uvicorn[standard]": "uvicorn-standard"}   # PyPI → conda-forge, where they differ
+# PyPI → conda-forge, where they differ
+CONDA_NAMES = {"torch": "pytorch", "uvicorn[standard]": "uvicorn-standard"}
 
 
 def _name(req: str) -> str:

@@ -81,7 +81,8 @@ def test_gguf_holds_the_same_weights(tmp_path, dtype):
     assert torch.equal(back("token_embd.weight"), sd["model.embed_tokens.weight"].float())
     assert torch.equal(back("blk.1.attn_v.weight"), sd["model.layers.1.self_attn.v_proj.weight"].float())
     assert torch.equal(back("blk.1.attn_k.weight"),
-                       peers.permute_for_gguf(sd["model.layers.1.self_attn.k_proj.weight"].float(), cfg.num_kv_heads))
+                       peers.permute_for_gguf(sd["model.layers.1.self_attn.k_proj.weight"].float(),
+                                              cfg.num_kv_heads))
     assert t["blk.0.attn_norm.weight"].tensor_type == gguf.GGMLQuantizationType.F32
     assert len(r.fields["tokenizer.ggml.tokens"].data) == cfg.vocab_size
 
@@ -96,10 +97,12 @@ def test_transformers_reads_our_gguf_back_as_the_same_weights(tmp_path, kind):
     from minillm.bench.decode import to_transformers
     from minillm.model.config import PRESETS, with_overrides
     from minillm.model.loader import load_model
-    cfg = with_overrides(PRESETS["tiny"], tie_word_embeddings=False, model_type=kind, attention_bias=kind == "qwen2")
+    cfg = with_overrides(PRESETS["tiny"], tie_word_embeddings=False, model_type=kind,
+                         attention_bias=kind == "qwen2")
     m = load_model(cfg, device="cpu", dtype="fp32", seed=4)
     peers.write_gguf(m, tmp_path / "m.gguf")
-    out = load_gguf_checkpoint(str(tmp_path / "m.gguf"), return_tensors=True, model_to_load=to_transformers(m))
+    out = load_gguf_checkpoint(str(tmp_path / "m.gguf"), return_tensors=True,
+                               model_to_load=to_transformers(m))
     assert out["config"]["model_type"] == kind and out["config"]["num_key_value_heads"] == cfg.num_kv_heads
     sd = m.hf_state_dict()
     assert set(out["tensors"]) == set(sd)

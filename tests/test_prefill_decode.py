@@ -105,9 +105,10 @@ def test_kv_transfer_of_the_8b_twin():
 
 def test_gaps_by_steps_by_hand():
     gaps = stall.gaps_by_steps({"a": [1, 2, 4, 5], "b": [1, 3, 4]}, chunk_steps=[3])
-    assert [(g.request_id, g.index, g.step_from, g.step_to, g.chunk_steps, g.whole_prefill) for g in gaps] == [
-        ("a", 1, 1, 2, (), False), ("a", 2, 2, 4, (3,), True), ("a", 3, 4, 5, (), False),
-        ("b", 1, 1, 3, (3,), True), ("b", 2, 3, 4, (), False)]       # b's token came out of step 3 itself
+    assert [(g.request_id, g.index, g.step_from, g.step_to, g.chunk_steps,
+             g.whole_prefill) for g in gaps] == [
+("a", 1, 1, 2, (), False), ("a", 2, 2, 4, (3,), True), ("a", 3, 4, 5, (), False),
+("b", 1, 1, 3, (3,), True), ("b", 2, 3, 4, (), False)]       # b's token came out of step 3 itself
     two = stall.gaps_by_steps({"a": [1, 2, 3, 4]}, chunk_steps=[2, 3])
     assert not any(g.whole_prefill for g in two) and [g.chunk_steps for g in two] == [(2,), (3,), ()]
     assert not any(g.whole_prefill for g in stall.gaps_by_steps({"a": [1, 2]}, []))
@@ -278,7 +279,8 @@ def test_tradeoff_table_and_figures(llm, result, first, chunked, tmp_path):
     p2 = pp.save_stall_rasters([first.to_dict(), chunked.to_dict()], "stamp", 12.0, out_dir=tmp_path)
     p3 = pp.save_chunk_tradeoff(tr.to_dict(), "stamp", slo_ms=chunked.itl_p99_ms * 1.5, out_dir=tmp_path)
     names = sorted(p.name for p in p1 + p2 + p3)
-    assert names == sorted(f"10-4-{n}.{e}" for n in ("roofline-prefill-decode", "prefill-stall", "chunk-tradeoff")
+    assert names == sorted(f"10-4-{n}.{e}" for n in ("roofline-prefill-decode", "prefill-stall",
+                                                     "chunk-tradeoff")
                            for e in ("png", "svg"))
     for n in ("roofline-prefill-decode", "prefill-stall", "chunk-tradeoff"):
         json.loads((tmp_path / "data" / f"10-4-{n}.json").read_text())
@@ -300,8 +302,10 @@ def test_references_are_found_by_their_name_below_the_roots(tmp_path, result):
 def test_command_line_writes_a_reference_the_figure_can_draw(tmp_path):
     out = tmp_path / "prefill-decode"
     from minillm.cli import main
-    assert main(["prefill-decode", "--model", "tiny", "--device", "cpu", "--dtype", "fp32", "--lengths", "16,32", "--batches", "1,2",
-                    "--context", "16", "--repeats", "1", "--steps", "1", "--stall-long", "128", "--n-short", "2",
+    assert main(["prefill-decode", "--model", "tiny", "--device", "cpu", "--dtype", "fp32", "--lengths",
+                 "16,32", "--batches", "1,2",
+                    "--context", "16", "--repeats", "1", "--steps", "1", "--stall-long", "128", "--n-short",
+                 "2",
                     "--budgets", "32,64", "--copy-mib", "4", "--matmul-n", "64", "--out", str(out)]) == 0
     refs = pd.load_prefill_decode_references([out])
     assert len(refs) == 1

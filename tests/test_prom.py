@@ -84,7 +84,8 @@ def trace_c():
     """Scheduled, then the client left before the first token: engine abort, server 'disconnected'."""
     return make_trace("c", [
         ("received", 0), ("tokenized", 1, {"n_tokens": 5}), ("enqueued", 1), ("scheduled", 2),
-        ("finished", 50, {"reason": "abort"}), ("finished", 51, {"reason": "disconnected", "where": "server"})])
+        ("finished", 50, {"reason": "abort"}),
+        ("finished", 51, {"reason": "disconnected", "where": "server"})])
 
 
 def trace_rejected():
@@ -150,7 +151,8 @@ def test_legacy_dashboard_series_with_legacy_names():
     for name in DASHBOARD_SERIES + LEGACY_DASHBOARD_SERIES:
         assert name in samples, name
     # the old names carry the same observations as the new ones, as in vLLM
-    assert buckets(samples, "vllm:time_per_output_token_seconds") == buckets(samples, "vllm:inter_token_latency_seconds")
+    assert buckets(samples, "vllm:time_per_output_token_seconds") == buckets(samples,
+                                                                             "vllm:inter_token_latency_seconds")
     assert value(samples, "vllm:time_per_output_token_seconds_sum") == pytest.approx(0.110, abs=1e-12)
     assert value(samples, "vllm:gpu_cache_usage_perc") == value(samples, "vllm:kv_cache_usage_perc") == 0.25
 
@@ -250,7 +252,8 @@ def test_ttft_and_itl_histograms(observed):
     assert (b[0.01], b[0.025], b[0.05], b[0.075], b[math.inf]) == (0, 1, 2, 3, 3)
     # per-request TPOT: only a (≥ 2 tokens): (122 − 12) / 3 ms
     assert value(samples, "vllm:request_time_per_output_token_seconds_count") == 1
-    assert value(samples, "vllm:request_time_per_output_token_seconds_sum") == pytest.approx(0.110 / 3, abs=1e-12)
+    assert value(samples,
+                 "vllm:request_time_per_output_token_seconds_sum") == pytest.approx(0.110 / 3, abs=1e-12)
 
 
 def test_e2e_queue_prefill_decode_histograms(observed):
@@ -272,7 +275,8 @@ def test_e2e_queue_prefill_decode_histograms(observed):
     assert value(samples, "vllm:request_decode_time_seconds_count") == 2
     assert value(samples, "vllm:request_decode_time_seconds_sum") == pytest.approx(0.110, abs=1e-12)
     # inference = prefill + decode: a 3 → 122 ms, b 402 → 601 ms
-    assert value(samples, "vllm:request_inference_time_seconds_sum") == pytest.approx(0.119 + 0.199, abs=1e-12)
+    assert value(samples,
+                 "vllm:request_inference_time_seconds_sum") == pytest.approx(0.119 + 0.199, abs=1e-12)
 
 
 def test_phase_times_reuse_the_ttft_breakdown():

@@ -124,8 +124,10 @@ def test_crossover_batch_by_hand():
     assert bstar == pytest.approx(expected)
     assert bstar == pytest.approx(i_star, rel=0.1)                # ≈ peak/BW for bf16 weights
     lo, hi = math.floor(bstar), math.ceil(bstar) + 1
-    assert rf.t_mem(rf.decode_step_bytes(cfg, 2, lo, 0), bw) > rf.t_compute(rf.decode_step_flops(cfg, lo, 0), peak)
-    assert rf.t_mem(rf.decode_step_bytes(cfg, 2, hi, 0), bw) < rf.t_compute(rf.decode_step_flops(cfg, hi, 0), peak)
+    assert rf.t_mem(rf.decode_step_bytes(cfg, 2, lo, 0),
+                    bw) > rf.t_compute(rf.decode_step_flops(cfg, lo, 0), peak)
+    assert rf.t_mem(rf.decode_step_bytes(cfg, 2, hi, 0),
+                    bw) < rf.t_compute(rf.decode_step_flops(cfg, hi, 0), peak)
 
 
 def test_crossover_with_long_context_kv_never_turns_compute_bound():
@@ -240,9 +242,11 @@ def _small_ceilings(monkeypatch, read_value: float | None = None):
         return m
     monkeypatch.setattr(sweep, "measure_read_bandwidth", read)
     monkeypatch.setattr(sweep, "measure_copy_bandwidth",
-                        lambda dev, nbytes=None, **kw: hw.measure_copy_bandwidth(dev, nbytes=8 * 2**20, repeats=2, warmup=1))
+                        lambda dev, nbytes=None,
+                        **kw: hw.measure_copy_bandwidth(dev, nbytes=8 * 2**20, repeats=2, warmup=1))
     monkeypatch.setattr(sweep, "measure_matmul_peak",
-                        lambda dev, dt, n=None, **kw: hw.measure_matmul_peak(dev, dt, n=128, repeats=2, warmup=1))
+                        lambda dev, dt, n=None,
+                        **kw: hw.measure_matmul_peak(dev, dt, n=128, repeats=2, warmup=1))
     return calls
 
 
@@ -255,7 +259,8 @@ def test_the_sweep_names_the_path_that_ran(tiny_sweep, monkeypatch, tmp_path):
     assert picks and set(picks) <= set(CANDIDATES)
     assert "path: decode matmuls chosen on this machine" in tiny_sweep.table()
     _small_ceilings(monkeypatch, read_value=7.5e9)
-    plain = run_sweep(model="tiny", device="cpu", batches=[1], steps=1, warmup=1, progress=False, served=False,
+    plain = run_sweep(model="tiny", device="cpu", batches=[1], steps=1, warmup=1, progress=False,
+                      served=False,
                       enforce_eager=True)
     assert plain.matmul["mode"] == "aten" and plain.matmul["choice"] is None
     assert "path: plain (torch's F.linear) (--enforce-eager)" in plain.table()
@@ -327,7 +332,8 @@ def test_a_sweep_that_cannot_write_says_so_before_it_starts(tmp_path, monkeypatc
     rc = main(["roofline", "--model", "tiny", "--device", "cpu", "--batches", "1", "--out", str(not_a_dir)])
     assert rc == 2 and "cannot write results to" in capsys.readouterr().err
     with pytest.raises(ValueError, match="cannot write"):
-        sweep.run_sweep(model="tiny", device="cpu", batches=[1], progress=False, figures_dir=not_a_dir / "sub")
+        sweep.run_sweep(model="tiny", device="cpu", batches=[1], progress=False,
+                        figures_dir=not_a_dir / "sub")
 
 
 # ----------------------------------------------------------------------------- when the data has no knee
@@ -355,10 +361,12 @@ def test_no_knee_when_the_step_time_barely_grows():
 def test_no_knee_when_kv_traffic_not_compute_lengthens_the_step():
     cfg = PRESETS["llama-3.1-8b"]
     bs = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
-    kv = [rf.predicted_step_time(cfg, 2, B, 512, 4.8e12, 989.5e12) for B in bs]    # never compute-bound at L=512
+    # never compute-bound at L=512
+    kv = [rf.predicted_step_time(cfg, 2, B, 512, 4.8e12, 989.5e12) for B in bs]
     assert rf.knee_fit(bs, kv).knee is None
     no_kv = [rf.predicted_step_time(cfg, 2, B, 0, 4.8e12, 989.5e12) for B in bs]
-    assert rf.knee_fit(bs, no_kv).knee == pytest.approx(rf.crossover_batch(cfg, 2, 4.8e12, 989.5e12), rel=0.02)
+    assert rf.knee_fit(bs, no_kv).knee == pytest.approx(rf.crossover_batch(cfg, 2, 4.8e12, 989.5e12),
+                                                        rel=0.02)
 
 
 def test_the_knee_fit_reports_an_accepted_knee():
@@ -392,7 +400,7 @@ def test_describe_run_says_what_the_data_shows():
     from minillm.bench.sweep_result import describe_run
     lines = describe_run(_sweep_dict(CPU_STEP_MS))
     text = " ".join(lines)
-    assert "then falls" in lines[0] or "not flat" in lines[0]          # never "stays nearly flat" on this data
+    assert "then falls" in lines[0] or "not flat" in lines[0]         # never "stays nearly flat" on this data
     assert "59.1" in lines[0] and "11.8" in lines[0]                    # the numbers come from the data
     assert "Knee fit: no knee" in text and "B* = 25.1" in text
     flat = " ".join(describe_run(_sweep_dict([17.0] * 8)))

@@ -49,7 +49,8 @@ def auth(key: str = KEY) -> dict[str, str]:
 
 
 def post(srv, body, headers=None, path="/v1/completions", **kw) -> httpx.Response:
-    return httpx.post(srv.url + path, json=body, headers=auth() if headers is None else headers, timeout=60, **kw)
+    return httpx.post(srv.url + path, json=body, headers=auth() if headers is None else headers, timeout=60,
+                      **kw)
 
 
 def wait_idle(srv, timeout: float = 15.0) -> dict:
@@ -113,13 +114,15 @@ def test_400_invalid_params_name_the_field(server):
                         ({"max_tokens": 4}, "prompt")):
         err = assert_openai_error(post(server, body), 400, "invalid_request")
         assert err["param"] == param, err
-    err = assert_openai_error(post(server, {"messages": "hello"}, path="/v1/chat/completions"), 400, "invalid_request")
+    err = assert_openai_error(post(server, {"messages": "hello"}, path="/v1/chat/completions"), 400,
+                              "invalid_request")
     assert err["param"] == "messages"
 
 
 def test_400_prompt_longer_than_the_context_names_the_limit(server):
     prompt = "the cache holds every token " * 200            # far more than 256 tokens
-    err = assert_openai_error(post(server, {"prompt": prompt, "max_tokens": 8}), 400, "context_length_exceeded")
+    err = assert_openai_error(post(server, {"prompt": prompt, "max_tokens": 8}), 400,
+                              "context_length_exceeded")
     assert str(MAX_LEN) in err["message"] and "tokens" in err["message"], err
     # without max_tokens too (the default must fit what is left of the context)
     err = assert_openai_error(post(server, {"prompt": prompt}), 400, "context_length_exceeded")
@@ -127,7 +130,8 @@ def test_400_prompt_longer_than_the_context_names_the_limit(server):
 
 
 def test_404_unknown_model_and_route(server):
-    err = assert_openai_error(post(server, {"model": "gpt-9", "prompt": "hi", "max_tokens": 2}), 404, "model_not_found")
+    err = assert_openai_error(post(server, {"model": "gpt-9", "prompt": "hi", "max_tokens": 2}), 404,
+                              "model_not_found")
     assert "tiny" in err["message"] and err["param"] == "model"
     assert_openai_error(httpx.get(server.url + "/v1/nothing-here", headers=auth()), 404, "not_found")
 
@@ -146,12 +150,15 @@ def test_429_rate_limit_with_retry_after(strict):
 
 def test_503_when_the_queue_is_full_then_recovers(strict):
     # two long streams fill the queue (depth 2); a third caller (its own key, so no 429) gets 503
-    long = {"prompt": "hold the slot", "max_tokens": 240, "temperature": 0, "ignore_eos": True, "stream": True}
+    long = {"prompt": "hold the slot", "max_tokens": 240, "temperature": 0, "ignore_eos": True,
+            "stream": True}
     gate = EngineGate(strict)
     try:
         with httpx.Client(timeout=60) as c:
-            with c.stream("POST", strict.url + "/v1/completions", json=long, headers=auth(STRICT_KEYS[1])) as r1, \
-                    c.stream("POST", strict.url + "/v1/completions", json=long, headers=auth(STRICT_KEYS[2])) as r2:
+            with c.stream("POST", strict.url + "/v1/completions", json=long,
+                          headers=auth(STRICT_KEYS[1])) as r1, \
+                    c.stream("POST", strict.url + "/v1/completions", json=long,
+                             headers=auth(STRICT_KEYS[2])) as r2:
                 assert r1.status_code == r2.status_code == 200
                 # keep the iterators: dropping one closes its connection, i.e. hangs up
                 lines1, lines2 = r1.iter_lines(), r2.iter_lines()
@@ -205,7 +212,8 @@ def test_openai_client_models(server):
 
 def test_openai_client_streamed_completion_equals_non_streamed(server):
     client = _openai(server)
-    kw = dict(model="tiny", prompt="Once upon a time", max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+    kw = dict(model="tiny", prompt="Once upon a time", max_tokens=24, temperature=0,
+              extra_body={"ignore_eos": True})
     full = client.completions.create(**kw)
     assert full.usage.completion_tokens == 24 and full.choices[0].finish_reason == "length"
     chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
@@ -243,7 +251,8 @@ def test_64_concurrent_streams_with_disconnects_leak_nothing(server):
     rng = random.Random(1234)
     bodies, stops = [], []
     for i in range(n):
-        words = " ".join(rng.choice(["prefill", "decode", "queue", "slot", "token"]) for _ in range(rng.randint(1, 60)))
+        words = " ".join(rng.choice(["prefill", "decode", "queue", "slot",
+                                     "token"]) for _ in range(rng.randint(1, 60)))
         bodies.append({"prompt": f"{i}: {words}", "max_tokens": rng.randint(8, 24), "temperature": 0,
                        "ignore_eos": True, "stream_options": {"include_usage": True}})
         # a quarter hang up: right after the headers (often still in the queue) or mid-stream
@@ -332,7 +341,8 @@ def test_trace_of_a_served_request_has_every_stage_in_order(server):
 def test_rejected_requests_are_traced_only_when_the_key_was_valid(server):
     """A stranger's 401 is counted, never stored: 10,000 bad keys must not evict real traces."""
     before = server.state.trace_store.stats()["unauthenticated"]
-    r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi"}, headers={"Authorization": "Bearer nope"})
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi"},
+                   headers={"Authorization": "Bearer nope"})
     assert r.status_code == 401
     with pytest.raises(KeyError):
         server.state.trace(r.headers["x-request-id"])
@@ -396,7 +406,8 @@ def test_stop_ends_open_streams_and_leaves_no_thread():
 
 def test_bench_http_returns_well_formed_results():
     from minillm.loadgen.http_overhead import run_http_overhead
-    rep = run_http_overhead(model="tiny", device="cpu", dtype="fp32", n_requests=3, prompt_tokens=8, max_tokens=4,
+    rep = run_http_overhead(model="tiny", device="cpu", dtype="fp32", n_requests=3, prompt_tokens=8,
+                            max_tokens=4,
                             warmup=1, mode="thread", max_batch_size=2, max_model_len=64)
     d = rep.to_dict()
     assert len(rep.samples["ttft_http_s"]) == len(rep.samples["ttft_inproc_s"]) == 3

@@ -1,4 +1,5 @@
-"""The server's defences (keys, ownership, limits, timeouts), through real HTTP on a free loopback port (tiny model, CPU fp32).
+"""The server's defences (keys, ownership, limits, timeouts), through real HTTP on a free loopback port (tiny
+model, CPU fp32).
 
 Three servers, each started once for the module:
 
@@ -85,7 +86,8 @@ def post_raw(srv, content: bytes, key: str = KEY_A, path: str = "/v1/completions
                       timeout=120)
 
 
-def assert_openai_error(r: httpx.Response, status: int, code: str | None = None, param: str | None = None) -> dict:
+def assert_openai_error(r: httpx.Response, status: int, code: str | None = None,
+                        param: str | None = None) -> dict:
     assert r.status_code == status, (r.status_code, r.text[:500])
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}, err
@@ -220,7 +222,8 @@ def test_trace_store_is_bounded_by_bytes(small_store):
     limits = httpx.Limits(max_keepalive_connections=4)
     with httpx.Client(timeout=60, limits=limits) as c:
         for i in range(300):
-            body = {"prompt": f"fill the store {i}", "max_tokens": 1} if i % 3 else {"prompt": "bad", "top_p": 9}
+            body = {"prompt": f"fill the store {i}",
+                    "max_tokens": 1} if i % 3 else {"prompt": "bad", "top_p": 9}
             r = c.post(small_store.url + "/v1/completions", json=body, headers=auth(SMALL))
             assert r.status_code in (200, 400), r.text
     wait_idle(small_store)
@@ -290,7 +293,8 @@ def test_a_huge_prompt_is_tokenized_off_the_event_loop(server):
     streamer_out: dict = {}
 
     def streamer():
-        body = {"prompt": "keep streaming", "max_tokens": 1900, "temperature": 0, "ignore_eos": True, "stream": True}
+        body = {"prompt": "keep streaming", "max_tokens": 1900, "temperature": 0, "ignore_eos": True,
+                "stream": True}
         with httpx.Client(timeout=120) as c, c.stream("POST", server.url + "/v1/completions", json=body,
                                                      headers={**auth(KEY_A), "X-Request-Id": stream_id}) as r:
             streamer_out["status"] = r.status_code
@@ -361,7 +365,8 @@ def test_415_for_a_body_that_is_not_json(server, path):
 
 
 def test_405_carries_allow(server):
-    for path, allowed in (("/v1/completions", "POST"), ("/v1/chat/completions", "POST"), ("/tokenize", "POST")):
+    for path, allowed in (("/v1/completions", "POST"), ("/v1/chat/completions", "POST"),
+                          ("/tokenize", "POST")):
         r = httpx.get(server.url + path, headers=auth(KEY_A))
         assert_openai_error(r, 405, "method_not_allowed")
         assert allowed in r.headers["allow"].upper().replace(" ", "").split(",")
@@ -378,7 +383,8 @@ def test_trailing_slash_is_404_and_never_a_redirect(server):
         assert "location" not in r.headers
         assert "evil.example" not in r.text and "evil.example" not in str(r.headers)
     for path in ("/health/", "/v1/traces/", "/v1/models/"):
-        r = httpx.get(server.url + path, headers={**auth(KEY_A), "Host": "evil.example.com"}, follow_redirects=False)
+        r = httpx.get(server.url + path, headers={**auth(KEY_A), "Host": "evil.example.com"},
+                      follow_redirects=False)
         assert r.status_code == 404 and "location" not in r.headers, (path, r.status_code, r.headers)
         assert "evil.example" not in r.text and "evil.example" not in str(r.headers)
 
@@ -423,7 +429,8 @@ def test_huge_query_numbers_are_capped_not_500(server):
 
 
 UNSUPPORTED = [("logit_bias", {"50256": -100}, {}), ("presence_penalty", 0.5, 0),
-               ("frequency_penalty", -1.0, 0.0), ("response_format", {"type": "json_object"}, {"type": "text"}),
+               ("frequency_penalty", -1.0, 0.0),
+               ("response_format", {"type": "json_object"}, {"type": "text"}),
                ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}], []),
                ("best_of", 3, 1), ("echo", True, False)]
 
@@ -445,7 +452,8 @@ def test_tokens_per_min_without_max_tokens_is_served(strict):
     assert r.status_code == 200, r.text
     usage = r.json()["usage"]
     assert 1 <= usage["prompt_tokens"] + usage["completion_tokens"] <= 100
-    r = post(strict, {"messages": [{"role": "user", "content": "hi"}]}, key=STRICT_3, path="/v1/chat/completions")
+    r = post(strict, {"messages": [{"role": "user", "content": "hi"}]}, key=STRICT_3,
+             path="/v1/chat/completions")
     assert r.status_code == 200, r.text
 
 
@@ -508,8 +516,10 @@ def test_models_and_model_by_id(server):
     assert card["root"] == "tiny" and card["parent"] is None and card["max_model_len"] == 2048
     one = httpx.get(server.url + "/v1/models/tiny", headers=auth(KEY_A))
     assert one.status_code == 200 and one.json() == card
-    assert_openai_error(httpx.get(server.url + "/v1/models/gpt-9", headers=auth(KEY_A)), 404, "model_not_found")
-    assert_openai_error(httpx.get(server.url + "/v1/models/tiny", headers=auth("nope")), 401, "invalid_api_key")
+    assert_openai_error(httpx.get(server.url + "/v1/models/gpt-9", headers=auth(KEY_A)), 404,
+                        "model_not_found")
+    assert_openai_error(httpx.get(server.url + "/v1/models/tiny", headers=auth("nope")), 401,
+                        "invalid_api_key")
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY_A, max_retries=0, timeout=60)
     assert client.models.retrieve("tiny").id == "tiny"
@@ -534,13 +544,15 @@ def test_tokenize_and_detokenize(server):
     r = post(server, {"messages": msgs}, path="/tokenize")
     assert r.status_code == 200, r.text
     assert r.json()["tokens"] == encode_prompt(tok, apply_chat(tok, msgs))
-    chat_usage = post(server, {"messages": msgs, "max_tokens": 1}, path="/v1/chat/completions").json()["usage"]
+    chat_usage = post(server, {"messages": msgs, "max_tokens": 1},
+                      path="/v1/chat/completions").json()["usage"]
     assert chat_usage["prompt_tokens"] == r.json()["count"]
     # round trip
     back = post(server, {"tokens": out["tokens"]}, path="/detokenize")
     assert back.status_code == 200 and back.json() == {"prompt": tok.decode(out["tokens"])}
     assert back.json()["prompt"] == text
-    assert_openai_error(post(server, {"tokens": [10**9]}, path="/detokenize"), 400, "invalid_request", "tokens")
+    assert_openai_error(post(server, {"tokens": [10**9]}, path="/detokenize"), 400, "invalid_request",
+                        "tokens")
     assert_openai_error(post(server, {"tokens": "abc"}, path="/detokenize"), 400, "invalid_request", "tokens")
     assert_openai_error(post(server, {}, path="/tokenize"), 400, "invalid_request", "prompt")
     assert_openai_error(post(server, {"prompt": "hi"}, key="nope", path="/tokenize"), 401, "invalid_api_key")
@@ -609,8 +621,10 @@ def sample(samples, name: str, **labels) -> float:
 
 def test_metrics_in_prometheus_text(server):
     before = scrape(server)
-    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:time_to_first_token_seconds_count",
-                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:prefix_cache_queries_total",
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:time_to_first_token_seconds_count",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+                 "vllm:prefix_cache_queries_total",
                  "vllm:prefix_cache_hits_total"):
         sample(before, name)
     ids = completion_ids(server, KEY_A, 3)
@@ -627,7 +641,8 @@ def test_metrics_in_prometheus_text(server):
         time.sleep(0.05)
     assert sample(after, "vllm:prompt_tokens_total") >= sample(before, "vllm:prompt_tokens_total") + n_prompt
     assert sample(after, "vllm:generation_tokens_total") >= sample(before, "vllm:generation_tokens_total") + 6
-    assert sample(after, "vllm:prefix_cache_queries_total") >= sample(before, "vllm:prefix_cache_queries_total") + n_prompt
+    assert sample(after, "vllm:prefix_cache_queries_total") >= sample(before,
+                                                                      "vllm:prefix_cache_queries_total") + n_prompt
     assert sample(after, "vllm:num_requests_running") >= 0
     # no key needed (like vLLM), and nothing secret in it
     text = httpx.get(server.url + "/metrics").text
@@ -669,7 +684,8 @@ def test_completion_logprobs_over_http_match_a_reference(server, reference_model
         assert lp["token_logprobs"][j] == pytest.approx(ref[j, tid].item(), abs=1e-4)
         assert lp["tokens"][j] == tok.decode([tid])
         top_vals, top_ids = ref[j].topk(3)
-        assert sorted(lp["top_logprobs"][j].values(), reverse=True) == pytest.approx(top_vals.tolist(), abs=1e-4) \
+        assert sorted(lp["top_logprobs"][j].values(),
+                      reverse=True) == pytest.approx(top_vals.tolist(), abs=1e-4) \
             or len(lp["top_logprobs"][j]) < 3            # two ids that decode alike share a key
         for text, v in lp["top_logprobs"][j].items():
             assert any(tok.decode([i]) == text and abs(v - ref[j, i].item()) < 1e-4 for i in top_ids.tolist())
@@ -735,7 +751,8 @@ def test_docs_and_openapi(server):
     assert r.status_code == 200 and "text/html" in r.headers["content-type"] and "swagger" in r.text.lower()
     spec = httpx.get(server.url + "/openapi.json").json()
     paths = spec["paths"]
-    for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model_id}", "/tokenize",
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model_id}",
+                 "/tokenize",
                  "/detokenize", "/v1/traces", "/v1/steps", "/health"):
         assert path in paths, path
     def schema(p):

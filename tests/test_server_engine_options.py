@@ -89,7 +89,8 @@ def test_server_config_holds_the_engine_config():
 
 
 def test_engine_options_reach_the_engine():
-    srv = ServerThread(_config(max_batch_size=2, scheduling_policy="prefill-first", max_num_batched_tokens=300,
+    srv = ServerThread(_config(max_batch_size=2, scheduling_policy="prefill-first",
+                               max_num_batched_tokens=300,
                                enable_prefix_caching=False))
     try:
         eng = srv.state.engine
@@ -156,7 +157,8 @@ def test_steps_of_one_request(server):
     before = get_steps(server, limit=1).json()["data"]
     last_step = before[-1]["step"] if before else -1
     max_tokens = 6
-    out = complete(server, {"prompt": long_prompt(), "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+    out = complete(server,
+                   {"prompt": long_prompt(), "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
     assert cached(out["usage"]) == 0
     body = get_steps(server, limit=100).json()
     assert body["phases"] == list(PHASES)
@@ -164,7 +166,8 @@ def test_steps_of_one_request(server):
     # the server was idle: these steps are this request's alone (one prefill, then decodes)
     assert [r["step"] for r in mine] == list(range(last_step + 1, last_step + 1 + len(mine)))
     assert sum(r["num_prefill_tokens"] for r in mine) == out["usage"]["prompt_tokens"]
-    assert sum(r["num_decode_tokens"] for r in mine) == max_tokens - 1      # the first token comes from the prefill
+    # the first token comes from the prefill
+    assert sum(r["num_decode_tokens"] for r in mine) == max_tokens - 1
     assert sum(r["num_sampled"] for r in mine) == max_tokens
     assert mine[0]["num_prefill_rows"] == 1 and all(r["num_decode_rows"] == 1 for r in mine[1:])
     for r in mine:
@@ -199,7 +202,8 @@ def test_steps_limit_auth_and_validation(server):
 def test_steps_read_while_the_engine_steps(server):
     # readers race the engine thread appending to the ring buffer: never a 500
     async def run() -> tuple[list, list[int]]:
-        bodies = [{"prompt": f"{i} racing the ring buffer", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+        bodies = [{"prompt": f"{i} racing the ring buffer", "max_tokens": 24, "temperature": 0,
+                   "ignore_eos": True}
                   for i in range(4)]
         streams = asyncio.ensure_future(arun_concurrent(server.url, bodies, KEY))
         codes = []
@@ -227,7 +231,7 @@ class _ChangingHistory:
         return iter(self.items)
 
 
-@pytest.mark.parametrize("failures", [1, _STEP_COPY_TRIES])      # a retry; the last resort (the engine's lock)
+@pytest.mark.parametrize("failures", [1, _STEP_COPY_TRIES])     # a retry; the last resort (the engine's lock)
 def test_step_snapshot_retries_a_copy_that_raced_the_engine(server, monkeypatch, failures):
     complete(server, {"prompt": "three steps", "max_tokens": 3, "temperature": 0, "ignore_eos": True})
     wait_idle(server)                                   # nobody steps (appends) while the fake is in place

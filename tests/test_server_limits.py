@@ -35,7 +35,8 @@ def _config(**kw) -> ServerConfig:
 
 @pytest.fixture(scope="module")
 def quick():
-    srv = ServerThread(_config(max_model_len=1024, max_batch_size=4, header_timeout_s=T, body_timeout_s=T)).start()
+    srv = ServerThread(_config(max_model_len=1024, max_batch_size=4, header_timeout_s=T,
+                               body_timeout_s=T)).start()
     yield srv
     srv.stop()
 
@@ -50,7 +51,8 @@ def patient():
 
 @pytest.fixture(scope="module")
 def limited():
-    srv = ServerThread(_config(max_model_len=256, max_connections=4, header_timeout_s=HOLD, body_timeout_s=HOLD,
+    srv = ServerThread(_config(max_model_len=256, max_connections=4, header_timeout_s=HOLD,
+                               body_timeout_s=HOLD,
                                keep_alive_timeout_s=HOLD)).start()
     yield srv
     srv.stop()
@@ -76,7 +78,8 @@ def wait_closed(s: socket.socket, bound: float = BOUND) -> bytes:
         except ConnectionResetError:
             return got
         except TimeoutError:
-            raise AssertionError(f"the server did not close the connection within {bound} s (got {got[:80]!r})")
+            raise AssertionError(f"the server did not close the connection within {bound} s (got "
+                                 f"{got[:80]!r})")
         if not data:
             return got
         got += data
@@ -267,7 +270,8 @@ def test_a_long_stream_is_not_cut_by_the_request_deadlines(quick):
         assert not any("error" in ch for ch in chunks), [ch for ch in chunks if "error" in ch][:1]
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
         # the same kept-alive connection serves the next request
-        assert c.post(quick.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+        assert c.post(quick.url + "/v1/completions",
+                      json={"prompt": "hi", "max_tokens": 2}).status_code == 200
     if elapsed <= 2 * T:
         pytest.skip(f"this machine streamed 900 tokens in {elapsed:.2f} s: too fast to outlast the deadlines")
 
@@ -302,7 +306,8 @@ def test_max_connections_503_beyond_the_limit_then_recovers(limited):
 
 def test_max_connections_counts_streams_in_flight(limited):
     # four streams in flight: the limit is full, a fifth request gets 503, then all recovers
-    long = {"prompt": "hold the line", "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
+    long = {"prompt": "hold the line", "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+            "stream": True}
 
     async def scenario() -> None:
         async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=8)) as c:

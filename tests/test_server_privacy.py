@@ -117,7 +117,8 @@ def test_continuous_usage_stats_counts_on_every_chunk(server):
 
 def test_an_unknown_stream_option_is_refused_by_name(server):
     r = httpx.post(server.url + "/v1/completions", headers=auth(KEY_A), timeout=30,
-                   json={"prompt": "x", "max_tokens": 2, "stream": True, "stream_options": {"send_faster": True}})
+                   json={"prompt": "x", "max_tokens": 2, "stream": True,
+                         "stream_options": {"send_faster": True}})
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["param"] == "stream_options.send_faster" and "not supported" in err["message"]
@@ -127,7 +128,8 @@ def test_an_unknown_stream_option_is_refused_by_name(server):
 def test_tool_calls_in_a_conversation_are_refused_by_name(server):
     body = {"messages": [{"role": "user", "content": "hi"},
                          {"role": "assistant", "content": None,
-                          "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}
+                          "tool_calls": [{"id": "1", "type": "function",
+                                          "function": {"name": "f", "arguments": "{}"}}]}]}
     r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=auth(KEY_A), timeout=30)
     assert r.status_code == 400
     err = r.json()["error"]
@@ -153,7 +155,8 @@ def test_the_protocol_layer_answers_with_error_json_and_no_internals(server):
     head, _, body = got.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 400 ") and b"content-type: application/json" in head.lower()
     err = json.loads(body)["error"]
-    assert err == {"message": "The request is not valid HTTP/1.1.", "type": "invalid_request_error", "param": None,
+    assert err == {"message": "The request is not valid HTTP/1.1.", "type": "invalid_request_error",
+                   "param": None,
                    "code": "invalid_http_request"}
     big = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (70 * 1024) + b"\r\n\r\n"
     got = _raw(server, big)

@@ -43,7 +43,8 @@ def _stream(url: str, key: str | None, max_tokens: int, out: list, started: thre
 def _start_streams(url: str, key: str | None, max_tokens: int):
     out: list = []
     started = [threading.Event() for _ in range(STREAMS)]
-    threads = [threading.Thread(target=_stream, args=(url, key, max_tokens, out, started[i])) for i in range(STREAMS)]
+    threads = [threading.Thread(target=_stream,
+                                args=(url, key, max_tokens, out, started[i])) for i in range(STREAMS)]
     for t in threads:
         t.start()
     for e in started:
@@ -90,7 +91,8 @@ def test_draining_refuses_new_work_says_so_on_health_and_keeps_every_trace():
             time.sleep(0.01)
         health = httpx.get(srv.url + "/health", timeout=5)
         assert (health.status_code, health.json()) == (503, {"status": "draining"})
-        late = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "late", "max_tokens": 4},
+        late = httpx.post(srv.url + "/v1/completions",
+                          json={"model": "tiny", "prompt": "late", "max_tokens": 4},
                           timeout=30)
         assert late.status_code == 503 and late.json()["error"]["code"] == "server_shutting_down"
         assert late.headers.get("retry-after") == "1"

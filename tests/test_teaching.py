@@ -103,7 +103,8 @@ def test_every_figure_writing_notebook_has_a_publish_switch():
     for path in NOTEBOOKS:
         code = _code(path)
         if "save_" in code:
-            assert re.search(r"^PUBLISH = False", code, re.MULTILINE), f"{path.name}: PUBLISH = False in the parameters cell"
+            assert re.search(r"^PUBLISH = False", code,
+                             re.MULTILINE), f"{path.name}: PUBLISH = False in the parameters cell"
             assert "notebook_figures_dir(PUBLISH, FAST)" in code, path.name
 
 
@@ -167,7 +168,8 @@ def _fake_run(arrivals_ms, ttft_ms, e2e_ms):
         tr.record("token", t_ns=round((a + e) * MS), index=1, token_id=7)
         tr.record("finished", t_ns=round((a + e) * MS), reason="length")
         traces.append(tr)
-    return types.SimpleNamespace(arrivals_s=[a / 1e3 for a in arrivals_ms], metrics=metrics_from_traces(traces))
+    return types.SimpleNamespace(arrivals_s=[a / 1e3 for a in arrivals_ms],
+                                 metrics=metrics_from_traces(traces))
 
 
 def test_rate_check_sees_a_run_that_keeps_up():
@@ -184,7 +186,8 @@ def test_rate_check_sees_an_overloaded_run():
     n = 30
     arrivals = [10.0 * k for k in range(n)]                   # 100 req/s offered
     done = [100.0 * (k + 1) for k in range(n)]                # the engine finishes 10 req/s
-    run = _fake_run(arrivals, [d - a - 40 for a, d in zip(arrivals, done)], [d - a for a, d in zip(arrivals, done)])
+    run = _fake_run(arrivals, [d - a - 40 for a, d in zip(arrivals, done)],
+                    [d - a for a, d in zip(arrivals, done)])
     chk = rate_check(run, offered_rps=100.0)
     assert chk.achieved_rps == pytest.approx(10.0) and not chk.kept_up
     assert chk.ttft_growth > 3 and "did NOT keep up" in chk.line()
@@ -197,7 +200,8 @@ def test_closed_loop_keeps_its_concurrency_and_measures_a_service_rate(tiny_llm)
         measure_service_rate,
         run_closed_loop,
     )
-    reqs = make_requests(6, LengthDist.fixed(8), LengthDist.fixed(3), vocab_size=tiny_llm.engine.config.vocab_size,
+    reqs = make_requests(6, LengthDist.fixed(8), LengthDist.fixed(3),
+                         vocab_size=tiny_llm.engine.config.vocab_size,
                          prefix="cl")
     res = run_closed_loop(tiny_llm, reqs, concurrency=2)
     assert [o.request_id for o in res.outputs] == [r.request_id for r in reqs]

@@ -25,7 +25,8 @@ def test_default_tokenizer_shape(tok):
     assert json.loads((DEFAULT_TOKENIZER_DIR / "tokenizer.json").read_text())["model"]["type"] == "BPE"
 
 
-@pytest.mark.parametrize("text", ["def f(x):\n    return x + 1", "你好，世界！推理请求的生命周期", "emoji 🚀 ok", "\t  spaces  "])
+@pytest.mark.parametrize("text",
+                         ["def f(x):\n    return x + 1", "你好，世界！推理请求的生命周期", "emoji 🚀 ok", "\t  spaces  "])
 def test_round_trip(tok, text):
     assert tok.decode(encode_prompt(tok, text)) == text
 

@@ -152,7 +152,8 @@ def test_run_workload_feeds_in_real_time(workload_run):
         assert tr.first("tokenized").t_ns >= received         # prepared only once it had arrived
     assert all(lag >= 0 for lag in res.arrival_lag_s)
     # requests with later due times were enqueued no earlier
-    enq = [o.trace.first("enqueued").t_ns for o in sorted(res.outputs, key=lambda o: o.trace.first("received").t_ns)]
+    enq = [o.trace.first("enqueued").t_ns for o in sorted(res.outputs,
+                                                          key=lambda o: o.trace.first("received").t_ns)]
     assert enq == sorted(enq)
 
 

@@ -92,7 +92,8 @@ def _lengths(res: BenchResult) -> dict[str, float]:
     outs = [r.usage.get("completion_tokens", 0) for r in ok]
     def mean(xs):
         return sum(xs) / len(xs) if xs else float("nan")
-    return {"mean_in": mean(ins), "max_in": max(ins, default=0), "mean_out": mean(outs), "max_out": max(outs, default=0)}
+    return {"mean_in": mean(ins), "max_in": max(ins, default=0), "mean_out": mean(outs),
+            "max_out": max(outs, default=0)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -116,7 +117,8 @@ def fixed_vs_lognormal(cfg: BenchConfig, sigma: float = 1.0) -> DeceptionPair:
         {"ttft_p50_ms": (_pctl(d, "ttft", "p50"), _pctl(h, "ttft", "p50")),
          "ttft_p99_ms": (_pctl(d, "ttft", "p99"), _pctl(h, "ttft", "p99")),
          "e2e_p99_ms": (_pctl(d, "e2e", "p99"), _pctl(h, "e2e", "p99"))},
-        "a fixed length has no long prompts, so nothing ever waits behind one: p99 comes from the tail it left out",
+        "a fixed length has no long prompts, so nothing ever waits behind one: p99 comes from the tail it "
+        "left out",
         {"realised_mean_in": (ld["mean_in"], lh["mean_in"]), "longest_prompt": (ld["max_in"], lh["max_in"]),
          "realised_mean_out": (ld["mean_out"], lh["mean_out"])})
 
@@ -134,10 +136,12 @@ def closed_vs_open(cfg: BenchConfig, concurrency: int = 1, burstiness: float = 1
     closed = run_bench(replace(cfg, request_rate=math.inf, max_concurrency=concurrency))
     rate = closed.summary.requests_s
     if not rate or not math.isfinite(rate) or rate <= 0:
-        raise ValueError(f"the closed-loop run completed no request ({closed.n_failed} failed), so it has no rate to match")
+        raise ValueError(f"the closed-loop run completed no request ({closed.n_failed} failed), so it has no "
+                         "rate to match")
     opened = run_bench(replace(cfg, request_rate=rate, burstiness=burstiness, max_concurrency=None))
     return DeceptionPair(
-        "closed loop vs open loop", f"closed loop, {concurrency} in flight", f"open loop (Poisson) at {rate:.2f} req/s",
+        "closed loop vs open loop", f"closed loop, {concurrency} in flight",
+        f"open loop (Poisson) at {rate:.2f} req/s",
         closed, opened,
         {"ttft_p50_ms": (_pctl(closed, "ttft", "p50"), _pctl(opened, "ttft", "p50")),
          "ttft_p99_ms": (_pctl(closed, "ttft", "p99"), _pctl(opened, "ttft", "p99")),

@@ -53,8 +53,8 @@ def ceiling_lines(bytes_per_step: int, read_bw: float | None, copy_bw: float | N
                    f"→ bound {read_bw / bytes_per_step:.1f} tok/s")
     if step_read_bw:
         above = bool(read_bw) and step_read_bw > 1.1 * read_bw
-        out.append(f"measured read bandwidth over one step's {bytes_per_step / 1e6:.0f} MB, read again and again: "
-                   f"{step_read_bw / 1e9:.1f} GB/s → {step_read_bw / bytes_per_step:.1f} tok/s"
+        out.append(f"measured read bandwidth over one step's {bytes_per_step / 1e6:.0f} MB, read again and "
+                   f"again: {step_read_bw / 1e9:.1f} GB/s → {step_read_bw / bytes_per_step:.1f} tok/s"
                    + (" (above the bound: part of the weights stays in the caches from one step to the next, "
                       "so a decode can pass the bound)" if above else ""))
     if copy_bw:
@@ -73,10 +73,10 @@ class DecodeReport(Result):
     copy_bw: float                   # measured, bytes/s (read + write): shown, labelled, not the bound
     bytes_per_step: int
     results: list[DecodeResult]
-    read_bw: float = 0.0             # measured, bytes/s (bytes read): the bound
-    step_read_bw: float = 0.0        # over a buffer of bytes_per_step, re-read (0: not measured; see hardware)
-    compile_s: float | None = None   # minillm with compile=True: its decode buckets' compile time
-    matmul: str = ""                 # minillm's decode matmuls: chosen on this machine, or plain
+    read_bw: float = 0.0            # measured, bytes/s (bytes read): the bound
+    step_read_bw: float = 0.0       # over a buffer of bytes_per_step, re-read (0: not measured; see hardware)
+    compile_s: float | None = None  # minillm with compile=True: its decode buckets' compile time
+    matmul: str = ""                # minillm's decode matmuls: chosen on this machine, or plain
 
     def table(self) -> str:
         lines = [f"model {self.model} ({self.dtype}) on {self.device}; prompt {self.prompt_tokens} tokens, "
@@ -179,7 +179,8 @@ def _transformers_decode_tok_s(hf, prompt_ids: list[int], new_tokens: int, devic
     x = torch.tensor([prompt_ids], device=device)
     clock = _TokenClock()
     synchronize(device)
-    out = hf.generate(x, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+    out = hf.generate(x, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                      pad_token_id=0,
                       streamer=clock)
     ts = clock.stamps
     if len(ts) < 2:

@@ -52,18 +52,20 @@ class EngineBench(Result):
     packed_lengths: list[int] = field(default_factory=list)
 
     def table(self) -> str:
-        out = [f"engine benchmarks: {self.model} {self.dtype} on {self.device}, {self.torch_threads} torch threads"]
+        out = [f"engine benchmarks: {self.model} {self.dtype} on {self.device}, {self.torch_threads} torch "
+               "threads"]
         if self.stall:
             s = self.stall_setup
-            out.append(f"\nstall: {s['n_short']} requests decoding, a {s['long_prompt_len']}-token prompt arrives")
+            out.append(f"\nstall: {s['n_short']} requests decoding, a {s['long_prompt_len']}-token prompt "
+                       "arrives")
             out.append(f"{'policy':<14}{'budget':>7}{'ITL max ms':>12}{'ITL p99 ms':>12}{'ITL p50 ms':>12}"
                        f"{'out tok/s':>11}{'long TTFT ms':>14}")
             for r in self.stall:
-                out.append(f"{r.policy:<14}{r.budget:>7}{r.itl_max_ms:>12.1f}{r.itl_p99_ms:>12.1f}{r.itl_p50_ms:>12.1f}"
-                           f"{r.output_tok_s:>11.1f}{r.long_ttft_ms:>14.1f}")
+                out.append(f"{r.policy:<14}{r.budget:>7}{r.itl_max_ms:>12.1f}{r.itl_p99_ms:>12.1f}{r.itl_p50_ms:>12.1f}{r.output_tok_s:>11.1f}{r.long_ttft_ms:>14.1f}")
             a, b = self.stall[0], self.stall[-1]
             out.append(f"chunked/prefill-first: max ITL ÷{a.itl_max_ms / b.itl_max_ms:.2f}, output tok/s "
-                       f"×{b.output_tok_s / a.output_tok_s:.3f}, long TTFT ×{b.long_ttft_ms / a.long_ttft_ms:.2f}")
+                       f"×{b.output_tok_s / a.output_tok_s:.3f}, long TTFT "
+                       f"×{b.long_ttft_ms / a.long_ttft_ms:.2f}")
         if self.prefix_cold_ms:
             c, w = statistics.median(self.prefix_cold_ms), statistics.median(self.prefix_warm_ms)
             out.append(f"\nprefix cache: TTFT cold {c:.1f} ms (median of {len(self.prefix_cold_ms)}, "
@@ -74,9 +76,9 @@ class EngineBench(Result):
             n = sum(self.packed_lengths)
             p, q = statistics.median(self.packed_ms), statistics.median(self.padded_ms)
             padded = len(self.packed_lengths) * max(self.packed_lengths)
-            out.append(f"\npacked prefill of {len(self.packed_lengths)} prompts ({n} tokens; padded: {padded}): "
-                       f"packed {p:.0f} ms = {n / p * 1e3:.0f} tok/s, padded {q:.0f} ms = {n / q * 1e3:.0f} tok/s: "
-                       f"×{q / p:.2f}")
+            out.append(f"\npacked prefill of {len(self.packed_lengths)} prompts ({n} tokens; padded: "
+                       f"{padded}): packed {p:.0f} ms = {n / p * 1e3:.0f} tok/s, padded {q:.0f} ms = "
+                       f"{n / q * 1e3:.0f} tok/s: ×{q / p:.2f}")
         return "\n".join(out)
 
 
@@ -93,7 +95,8 @@ def _stall_row(llm: LLM, policy: str, budget: int, setup: dict) -> StallRow:
     end = max(m.t_end_ns for m in ms)
     n_out = sum(m.output_tokens for m in ms)
     long_m = next(m for m in ms if m.request_id == res.long_id)
-    return StallRow(policy, budget, float(itl.max()), float(np.percentile(itl, 99)), float(np.percentile(itl, 50)),
+    return StallRow(policy, budget, float(itl.max()), float(np.percentile(itl, 99)),
+                    float(np.percentile(itl, 50)),
                     n_out / ((end - start) / 1e9), long_m.ttft_s * 1e3)
 
 

@@ -1,18 +1,17 @@
 """Peers side by side (``python -m minillm bench --peers``): batch-1 decode of minillm, ``transformers``
 and llama.cpp on the very same weights, interleaved round by round.
 
-Every engine decodes the same prompt greedily for the same number of tokens; a round runs each
-engine once, in an order rotated from round to round, so a slow minute of the machine hits
-every engine alike (chapter 10.6). Before each timed decode the garbage collector runs, outside
-the clock: without that, the compile's garbage was once collected inside a compiled engine's
-first timed round (148 ms of a 0.9 s decode: 69 tok/s against 85 in the other rounds); what the
-collector still takes inside the timed decodes is printed. Each engine's tok/s is reported as the median over the
-rounds with its min–max and spread, with the achieved bandwidth (bytes a decode step reads ×
-tok/s: the same bytes for every engine, since the weights and dtype are the same) and its share
-of the measured *read* bandwidth, the ceiling of a decode step. A speed is only comparable if the
-engines computed the same thing: each engine's greedy continuation is compared with minillm's, and
-the table prints how many leading tokens agree (rounding differs between kernels, so two close
-logits can swap after a while on random weights; a mismatch at token 1 would mean a wrong model).
+Every engine decodes the same prompt greedily for the same number of tokens; a round runs each engine once, in
+an order rotated from round to round, so a slow minute of the machine hits every engine alike (chapter 10.6).
+Before each timed decode the garbage collector runs, outside the clock: without that, the compile's garbage
+was once collected inside a compiled engine's first timed round (148 ms of a 0.9 s decode: 69 tok/s against 85
+in the other rounds); what the collector still takes inside the timed decodes is printed. Each engine's tok/s
+is reported as the median over the rounds with its min–max and spread, with the achieved bandwidth (bytes a
+decode step reads × tok/s: the same bytes for every engine, since the weights and dtype are the same) and its
+share of the measured *read* bandwidth, the ceiling of a decode step. A speed is only comparable if the
+engines computed the same thing: each engine's greedy continuation is compared with minillm's, and the table
+prints how many leading tokens agree (rounding differs between kernels, so two close logits can swap after a
+while on random weights; a mismatch at token 1 would mean a wrong model).
 
 - ``transformers`` always runs: ``to_transformers`` hands it minillm's own weights (views, no copy).
 - llama.cpp runs through the ``llama-cpp-python`` package (an optional extra: it builds
@@ -63,8 +62,8 @@ class PeerResult:
     pct_of_read_bw: float | None = None          # achieved_bw / measured read bandwidth
     note: str = ""                               # what exactly ran (e.g. the GGUF type, threads)
     tokens: list[int] = field(default_factory=list)   # the greedy continuation of the last round
-    same_tokens: int | None = None               # leading tokens equal to minillm's (eager) continuation
-    gc_ms: float = 0.0                           # Python's garbage collector inside the timed rounds, all together
+    same_tokens: int | None = None          # leading tokens equal to minillm's (eager) continuation
+    gc_ms: float = 0.0                      # Python's garbage collector inside the timed rounds, all together
 
 
 @dataclass
@@ -87,9 +86,9 @@ class PeerReport(Result):
 
     def table(self) -> str:
         n = self.new_tokens
-        lines = [f"model {self.model} ({self.dtype}) on {self.device}; batch 1, prompt {self.prompt_tokens} tokens, "
-                 f"{self.new_tokens} new tokens; {self.rounds} rounds, the engines interleaved (order rotated "
-                 f"each round); {self.threads} threads each",
+        lines = [f"model {self.model} ({self.dtype}) on {self.device}; batch 1, prompt {self.prompt_tokens} "
+                 f"tokens, {self.new_tokens} new tokens; {self.rounds} rounds, the engines interleaved "
+                 f"(order rotated each round); {self.threads} threads each",
                  *ceiling_lines(self.bytes_per_step, self.read_bw, self.copy_bw, self.step_read_bw),
                  f"{'engine':<22}{'tok/s':>8}{'min–max':>15}{'spread':>8}{'GB/s':>8}{'% of read BW':>14}"
                  f"{'same tokens':>13}"]
@@ -242,8 +241,8 @@ class LlamaCppEngine(_Engine):
                          n_threads=self.threads, n_threads_batch=self.threads, n_gpu_layers=-1 if gpu else 0,
                          seed=0, logits_all=False, verbose=False)
         import llama_cpp
-        self.note = (f"llama-cpp-python {getattr(llama_cpp, '__version__', '?')}, GGUF {kind} converted from the "
-                     f"same weights in {convert_s:.1f} s, {self.threads} threads"
+        self.note = (f"llama-cpp-python {getattr(llama_cpp, '__version__', '?')}, GGUF {kind} converted from "
+                     f"the same weights in {convert_s:.1f} s, {self.threads} threads"
                      + (", all layers on the GPU" if gpu else ""))
 
     def decode_tok_s(self, prompt, new_tokens):
@@ -473,7 +472,8 @@ def run_peers(model: str = "cpu-small", device: str | None = None, dtype: str | 
         elif name == "transformers":
             candidates.append(TransformersEngine(llm.model))
         elif name == "llama.cpp":
-            candidates.append(LlamaCppEngine(llm.model, llm.tokenizer, prompt_tokens + new_tokens + 16, threads,
+            candidates.append(LlamaCppEngine(llm.model, llm.tokenizer, prompt_tokens + new_tokens + 16,
+                                             threads,
                                              gguf_path))
         else:
             raise ValueError(f"unknown engine {name!r}: minillm, transformers, llama.cpp")
@@ -517,5 +517,6 @@ def run_peers(model: str = "cpu-small", device: str | None = None, dtype: str | 
     for p in peers:
         if p.status == "ok" and reference and p.tokens:
             p.same_tokens = leading_agreement(reference, p.tokens)
-    return PeerReport(str(model), str(dev), dtype_name(dt), prompt_tokens, new_tokens, rounds, read_bw, copy_bw,
+    return PeerReport(str(model), str(dev), dtype_name(dt), prompt_tokens, new_tokens, rounds, read_bw,
+                      copy_bw,
                       bytes_step, threads, peers, step_read.value if step_read else 0.0)

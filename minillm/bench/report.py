@@ -71,8 +71,8 @@ class BenchReport:
                  f"input lengths {self.input_lengths}; output lengths {self.output_lengths}",
                  f"load {self.load}; warm-up {self.warmup} requests; prefix caching "
                  f"{'on' if self.prefix_caching else 'off'}",
-                 f"requests {self.n_ok} ok / {self.n_failed} failed; throughput in {self.input_tok_s:.1f} tok/s, "
-                 f"out {self.output_tok_s:.1f} tok/s, {self.requests_s:.2f} req/s",
+                 f"requests {self.n_ok} ok / {self.n_failed} failed; throughput in {self.input_tok_s:.1f} "
+                 f"tok/s, out {self.output_tok_s:.1f} tok/s, {self.requests_s:.2f} req/s",
                  f"{'(ms)':<6}" + "".join(f"{p:>10}" for p in LATENCY_PERCENTILES)]
         for m in LATENCY_METRICS:
             lines.append(f"{m:<6}" + "".join(f"{self.latency_ms[m][p]:>10.2f}" for p in LATENCY_PERCENTILES))

@@ -197,13 +197,13 @@ def run_sweep(model: str | None = None, device: str | None = None, dtype: str | 
               seed: int = 0, partial_path: str | Path | None = None, served: bool = True,
               read_bytes: int | None = None, out_dir: str | Path | None = None,
               figures_dir: str | Path | None = None, enforce_eager: bool = False) -> SweepResult:
-    """Sweep decode batches (see the module docstring). ``partial_path``: append each batch's result there as one JSON line as soon as it is
-    measured, so a sweep killed by a time limit keeps what it measured. ``out_dir``,
-    ``figures_dir`` (and ``partial_path``'s directory): checked for writing before anything is
-    measured. ``read_bytes``: the read-bandwidth buffer (default: ``copy_bytes`` when that is
-    given, so a small test stays small, else twice the last-level cache). ``enforce_eager``: the plain
-    path (torch's own matmuls, no CUDA graphs); by default the engine's decode matmuls are the ones
-    chosen on this machine (engine/matmul.py), chosen before the first batch and not timed."""
+    """Sweep decode batches (see the module docstring). ``partial_path``: append each batch's result there as
+    one JSON line as soon as it is measured, so a sweep killed by a time limit keeps what it measured.
+    ``out_dir``, ``figures_dir`` (and ``partial_path``'s directory): checked for writing before anything is
+    measured. ``read_bytes``: the read-bandwidth buffer (default: ``copy_bytes`` when that is given, so a
+    small test stays small, else twice the last-level cache). ``enforce_eager``: the plain path (torch's own
+    matmuls, no CUDA graphs); by default the engine's decode matmuls are the ones chosen on this machine
+    (engine/matmul.py), chosen before the first batch and not timed."""
     from minillm.core.device import default_dtype, parse_dtype, pick_device
     from minillm.engine.engine import LLMEngine
     from minillm.engine.matmul import prepare as prepare_matmuls
@@ -246,7 +246,8 @@ def run_sweep(model: str | None = None, device: str | None = None, dtype: str | 
     choice = prepare_matmuls(m, mode)
     matmul = {"mode": mode, "choose_s": time.perf_counter() - t_choose,
               "choice": choice.to_dict() if choice is not None else None,
-              "why": " (--enforce-eager)" if enforce_eager else "" if choice else f" (no choice on {dev.type})"}
+              "why": " (--enforce-eager)" if enforce_eager else "" if choice else " (no choice on "
+                                                                                  f"{dev.type})"}
     if choice is not None and progress:
         print(choice.summary(), file=sys.stderr)
     results: list[BatchResult] = []
@@ -289,7 +290,8 @@ def run_sweep(model: str | None = None, device: str | None = None, dtype: str | 
     fit = rf.knee_fit([r.batch for r in ok], [r.forward_ms_median for r in ok])
     knee = fit.knee
     return SweepResult(
-        **RunProvenance.here(str(model), dtype_name(dt), str(dev), hw, command or "minillm.bench.sweep.run_sweep(...)"),
+        **RunProvenance.here(str(model), dtype_name(dt), str(dev), hw,
+                             command or "minillm.bench.sweep.run_sweep(...)"),
         context=context, warmup=warmup, steps=steps,
         cuda_graphs=bool(cuda_graphs and dev.type == "cuda"), ceilings=ceil,
         model_bytes=rf.weight_bytes(cfg, nbytes), config=cfg.to_dict(),

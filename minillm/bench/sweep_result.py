@@ -130,7 +130,7 @@ class SweepResult(RunProvenance):
     warmup: int
     steps: int
     cuda_graphs: bool
-    ceilings: dict                            # measured + spec: bandwidth (B/s: read; copy beside it), peak (FLOP/s)
+    ceilings: dict                     # measured + spec: bandwidth (B/s: read; copy beside it), peak (FLOP/s)
     model_bytes: int
     config: dict
     predicted_crossover: float                # B* (no KV)
@@ -140,7 +140,7 @@ class SweepResult(RunProvenance):
     started: str = ""
     duration_s: float = 0.0
     knee_note: str = ""                       # what the knee fit found, or why there is no knee
-    matmul: dict = field(default_factory=dict)   # the path that ran: mode, each shape's candidate, choice time
+    matmul: dict = field(default_factory=dict)  # the path that ran: mode, each shape's candidate, choice time
 
     def path_line(self) -> str:
         return rf.path_line(self.matmul, self.cuda_graphs)
@@ -153,7 +153,8 @@ class SweepResult(RunProvenance):
         jp.write_text(dumps_strict(self.to_dict()))
         cols = ["batch", "status", "context", "forward_ms_median", "engine_ms_median", "served_ms_median",
                 "served_max_context", "served_gap", "per_request_tok_s",
-                "aggregate_tok_s", "engine_aggregate_tok_s", "achieved_bw", "mbu", "mfu", "bound_tok_s", "pct_of_bound"]
+                "aggregate_tok_s", "engine_aggregate_tok_s", "achieved_bw", "mbu", "mfu", "bound_tok_s",
+                "pct_of_bound"]
         lines = [",".join(cols)] + [",".join("" if getattr(b, c) is None else str(getattr(b, c)) for c in cols)
                                     for b in self.batches]
         cp.write_text("\n".join(lines) + "\n")
@@ -163,8 +164,8 @@ class SweepResult(RunProvenance):
         return rf.ceilings_line(self.ceilings)
 
     def table(self) -> str:
-        hdr = (f"{'batch':>5} {'step ms':>9} {'engine ms':>10} {'served ms':>10} {'tok/s/req':>10} {'tok/s agg':>10} "
-               f"{'% bound':>8} {'MBU':>6} {'MFU':>6}")
+        hdr = (f"{'batch':>5} {'step ms':>9} {'engine ms':>10} {'served ms':>10} {'tok/s/req':>10} "
+               f"{'tok/s agg':>10} {'% bound':>8} {'MBU':>6} {'MFU':>6}")
         rows, noisy = [self.ceilings_line(), self.path_line(), hdr], []
         for b in self.batches:
             if b.status != "ok":
@@ -176,11 +177,12 @@ class SweepResult(RunProvenance):
                 noisy.append(b.batch)
             served = f"{b.served_ms_median:>10.2f}" if b.served_ms_median else f"{'-':>10}"
             rows.append(f"{b.batch:>5} {b.forward_ms_median:>9.2f} {b.engine_ms_median:>10.2f} {served} "
-                        f"{b.per_request_tok_s:>10.1f} {b.aggregate_tok_s:>10.1f} {100 * b.pct_of_bound:>7.0f}% "
-                        f"{100 * b.mbu:>5.0f}% {100 * b.mfu:>5.1f}%{flag}")
+                        f"{b.per_request_tok_s:>10.1f} {b.aggregate_tok_s:>10.1f} "
+                        f"{100 * b.pct_of_bound:>7.0f}% {100 * b.mbu:>5.0f}% {100 * b.mfu:>5.1f}%{flag}")
         if noisy:
-            rows.append(f"* noisy: p90/p10 of the step time > {NOISY_SPREAD} at batch {', '.join(map(str, noisy))}; "
-                        f"something else was using the machine, rerun before trusting these rows")
+            rows.append(f"* noisy: p90/p10 of the step time > {NOISY_SPREAD} at batch "
+                        f"{', '.join(map(str, noisy))}; something else was using the machine, rerun before "
+                        "trusting these rows")
         knee = "none" if self.measured_knee is None else f"{self.measured_knee:.1f}"
         rows.append(f"predicted crossover B* = {self.predicted_crossover:.1f} (KV-aware at L={self.context}: "
                     f"{self.predicted_crossover_kv:.1f}); measured knee: {knee}")
@@ -221,18 +223,19 @@ def describe_run(result: dict, tol: float = 0.10) -> list[str]:
         flat = b
     path = ", ".join(f"{b['per_request_tok_s']:.1f} at {b['batch']}" for b in ok)
     if flat is last and len(ok) > 1:
-        out.append(f"Per-request tok/s stays within {100 * tol:.0f} % of batch {b1['batch']}'s {r1:.1f} up to "
-                   f"batch {last['batch']} ({last['per_request_tok_s']:.1f}): every row gets its token from the "
-                   f"same weight read.")
+        out.append(f"Per-request tok/s stays within {100 * tol:.0f} % of batch {b1['batch']}'s {r1:.1f} up "
+                   f"to batch {last['batch']} ({last['per_request_tok_s']:.1f}): every row gets its token "
+                   "from the same weight read.")
     elif flat is not b1:
         nxt = ok[ok.index(flat) + 1]
-        out.append(f"Per-request tok/s stays within {100 * tol:.0f} % of batch {b1['batch']}'s {r1:.1f} up to "
-                   f"batch {flat['batch']}, then falls: {nxt['per_request_tok_s']:.1f} at batch {nxt['batch']}, "
-                   f"{last['per_request_tok_s']:.1f} at batch {last['batch']} (×{last['per_request_tok_s'] / r1:.2f}).")
+        out.append(f"Per-request tok/s stays within {100 * tol:.0f} % of batch {b1['batch']}'s {r1:.1f} up "
+                   f"to batch {flat['batch']}, then falls: {nxt['per_request_tok_s']:.1f} at batch "
+                   f"{nxt['batch']}, {last['per_request_tok_s']:.1f} at batch {last['batch']} "
+                   f"(×{last['per_request_tok_s'] / r1:.2f}).")
     elif len(ok) > 1:
         nxt = ok[1]
-        out.append(f"Per-request tok/s is not flat here: it falls from the first step up, "
-                   f"{r1:.1f} at batch {b1['batch']} → {nxt['per_request_tok_s']:.1f} at batch {nxt['batch']} "
+        out.append(f"Per-request tok/s is not flat here: it falls from the first step up, {r1:.1f} at batch "
+                   f"{b1['batch']} → {nxt['per_request_tok_s']:.1f} at batch {nxt['batch']} "
                    f"(×{nxt['per_request_tok_s'] / r1:.2f}) → {last['per_request_tok_s']:.1f} at batch "
                    f"{last['batch']} (×{last['per_request_tok_s'] / r1:.2f}). All points: {path}.")
     if len(ok) > 1:
@@ -253,16 +256,17 @@ def describe_run(result: dict, tol: float = 0.10) -> list[str]:
             pred_ms = row_flops / peak * 1e3
             if per_row_ms <= 0:
                 out.append(f"Between batch {b1['batch']} and {b_s['batch']} the step did not get longer "
-                           f"({b1['forward_ms_median']:.2f} → {b_s['forward_ms_median']:.2f} ms): the extra rows rode "
-                           f"on the same weight read.")
+                           f"({b1['forward_ms_median']:.2f} → {b_s['forward_ms_median']:.2f} ms): the extra "
+                           "rows rode on the same weight read.")
             else:
                 ratio = per_row_ms / pred_ms
-                out.append(f"Each extra row between batch {b1['batch']} and {b_s['batch']} added {per_row_ms:.2f} ms "
-                           f"to a {b1['forward_ms_median']:.2f} ms step; its arithmetic at the measured matmul peak "
-                           f"would take {pred_ms:.3f} ms" + (
-                               f": the extra rows cost ×{ratio:.1f} what their arithmetic would. Matmuls with "
-                               f"a few rows run far below the peak (and the arithmetic overlaps the weight read "
-                               f"only in part), so the roofline's max(t_mem, t_compute) underestimates them."
+                out.append(f"Each extra row between batch {b1['batch']} and {b_s['batch']} added "
+                           f"{per_row_ms:.2f} ms to a {b1['forward_ms_median']:.2f} ms step; its arithmetic "
+                           f"at the measured matmul peak would take {pred_ms:.3f} ms" + (
+                               f": the extra rows cost ×{ratio:.1f} what their arithmetic would. Matmuls "
+                               "with a few rows run far below the peak (and the arithmetic overlaps the "
+                               "weight read only in part), so the roofline's max(t_mem, t_compute) "
+                               "underestimates them."
                                if ratio > 1.5 else ", as the roofline predicts."))
     fit = rf.knee_fit([b["batch"] for b in ok], [b["forward_ms_median"] for b in ok])
     out.append(f"Knee fit: {fit.reason}.")

@@ -1,4 +1,5 @@
-"""What each command does: one ``cmd_*`` function per ``python -m minillm <command>`` (the parser: ``parser.py``)."""
+"""What each command does: one ``cmd_*`` function per ``python -m minillm <command>`` (the parser:
+``parser.py``)."""
 from __future__ import annotations
 
 import argparse
@@ -70,7 +71,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
                         gguf_path=a.gguf, progress=True)
     else:
         from minillm.bench.decode import run_decode_benchmark
-        rep = run_decode_benchmark(model=a.model, device=a.device, dtype=a.dtype, prompt_tokens=a.prompt_tokens,
+        rep = run_decode_benchmark(model=a.model, device=a.device, dtype=a.dtype,
+                                   prompt_tokens=a.prompt_tokens,
                                    new_tokens=a.new_tokens, repeats=a.repeats,
                                    compare_transformers=not a.no_transformers, enforce_eager=a.enforce_eager,
                                    compile=a.compile)
@@ -95,7 +97,8 @@ def cmd_roofline(a: argparse.Namespace) -> int:
     try:                          # where the figure will go: checked, with --out, before the sweep starts
         figs = figures_dir(a.figures)
     except OSError as e:
-        print(f"error: cannot write the figure to {a.figures or 'the default figures directory'}: {e}", file=sys.stderr)
+        print(f"error: cannot write the figure to {a.figures or 'the default figures directory'}: {e}",
+              file=sys.stderr)
         return 2
     res = run_sweep(model=a.model, device=a.device, dtype=a.dtype, batches=batches, context=a.context,
                     warmup=a.warmup, steps=a.steps, cuda_graphs=not a.no_cuda_graphs,
@@ -125,7 +128,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
 def cmd_bench_http(a: argparse.Namespace) -> int:
     from minillm.loadgen.http_overhead import run_http_overhead
     rep = run_http_overhead(model=a.model, device=a.device, dtype=a.dtype, n_requests=a.requests,
-                            prompt_tokens=a.prompt_tokens, max_tokens=a.max_tokens, warmup=a.warmup, mode=a.mode,
+                            prompt_tokens=a.prompt_tokens, max_tokens=a.max_tokens, warmup=a.warmup,
+                            mode=a.mode,
                             torch_threads=a.torch_threads)
     print(rep.table())
     if a.json:
@@ -138,7 +142,8 @@ def cmd_bench_engine(a: argparse.Namespace) -> int:
     parts = tuple(x.strip() for x in a.parts.split(",") if x.strip())
     unknown = set(parts) - {"stall", "prefix", "packed"}
     if unknown or not parts:
-        print(f"error: --parts takes stall, prefix, packed (comma-separated), got {a.parts!r}", file=sys.stderr)
+        print(f"error: --parts takes stall, prefix, packed (comma-separated), got {a.parts!r}",
+              file=sys.stderr)
         return 2
     rep = run_engine_bench(model=a.model, device=a.device, dtype=a.dtype, n_short=a.n_short,
                            long_prompt=a.long_prompt, chunk=a.chunk, prefix_prompt=a.prefix_prompt,
@@ -157,7 +162,8 @@ def cmd_bench_server(a: argparse.Namespace) -> int:
     for rep in reps:
         print(rep.table())
     if reps[0].wrk is None:
-        print("wrk is not on the PATH (Debian/Ubuntu: apt install wrk): requests/s not measured", file=sys.stderr)
+        print("wrk is not on the PATH (Debian/Ubuntu: apt install wrk): requests/s not measured",
+              file=sys.stderr)
     if a.json:
         _write_json(a.json, {"runs": [r.to_dict() for r in reps]})
     return 0
@@ -169,7 +175,8 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
 
     from minillm.loadgen.bench_serve import BenchConfig, parse_goodput, run_bench
     cfg = BenchConfig(
-        base_url=a.base_url, endpoint=a.endpoint, api_key=a.api_key or os.environ.get("OPENAI_API_KEY"), model=a.model, num_prompts=a.num_prompts,
+        base_url=a.base_url, endpoint=a.endpoint, api_key=a.api_key or os.environ.get("OPENAI_API_KEY"),
+        model=a.model, num_prompts=a.num_prompts,
         request_rate=a.request_rate, burstiness=a.burstiness, max_concurrency=a.max_concurrency, seed=a.seed,
         ignore_eos=a.ignore_eos, dataset_name=a.dataset_name, dataset_path=a.dataset_path,
         random_input_len=a.random_input_len, random_output_len=a.random_output_len,
@@ -225,15 +232,16 @@ def _bench_serve_sweep(cfg, a: argparse.Namespace) -> int:
     from minillm.loadgen.bench_serve import run_bench
     from minillm.loadgen.rate_sweep import sweep_configs, sweep_row, sweep_table
     rates = _floats(a.sweep_rate, "--sweep-rate") if a.sweep_rate else None
-    concs = [int(c) for c in _floats(a.sweep_concurrency, "--sweep-concurrency")] if a.sweep_concurrency else None
+    concs = [int(c) for c in _floats(a.sweep_concurrency,
+                                     "--sweep-concurrency")] if a.sweep_concurrency else None
     configs = sweep_configs(cfg, rates, concs)
     rows = []
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for i, c in enumerate(configs):
         res = run_bench(c)
         rows.append(sweep_row(res))
-        print(f"point {i + 1}/{len(configs)}: rate {c.request_rate:g}, max concurrency {c.max_concurrency or '-'}: "
-              f"{res.n_ok} ok, {res.n_failed} failed")
+        print(f"point {i + 1}/{len(configs)}: rate {c.request_rate:g}, max concurrency "
+              f"{c.max_concurrency or '-'}: {res.n_ok} ok, {res.n_failed} failed")
         if a.save_result:
             print(f"  result: {res.save(a.result_dir or '.', f'bench-serve-sweep-{stamp}-point{i}.json')}")
     print(sweep_table(rows))
@@ -289,7 +297,8 @@ def cmd_diagnose(a: argparse.Namespace) -> int:
         d, fetched = diagnose_server(a.base_url, key, steps=not a.no_steps)
         if a.save:
             Path(a.save).write_text(json.dumps(fetched), encoding="utf-8")
-            print(f"saved {len(fetched['traces'])} traces and {len(fetched['steps'])} step records to {a.save}",
+            print(f"saved {len(fetched['traces'])} traces and {len(fetched['steps'])} step records to "
+                  f"{a.save}",
                   file=sys.stderr)
     else:
         if a.save:

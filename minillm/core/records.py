@@ -89,7 +89,8 @@ def as_steps(data: Any) -> list[StepRecord]:
                 kw["bucket"] = tuple(kw["bucket"])
             out.append(StepRecord(**kw))
         else:
-            raise ValueError("a step record needs 't_start_ns' and 't_ns' (StepRecord.to_dict(), GET /v1/steps)")
+            raise ValueError("a step record needs 't_start_ns' and 't_ns' (StepRecord.to_dict(), GET "
+                             "/v1/steps)")
     return out
 
 

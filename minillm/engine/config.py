@@ -13,14 +13,15 @@ MATMUL_MODES = ("auto", "aten")             # engine/matmul.py
 NOT_FLAGS = ("model", "tokenizer", "device", "dtype", "seed")
 FLAG_HELP = {
     "max_batch_size": "requests in one step, i.e. KV slots (vLLM's --max-num-seqs)",
-    "max_num_batched_tokens": "tokens one step may hold (default: 2048 chunked; prefill-first: at least the context)",
+    "max_num_batched_tokens": "tokens one step may hold (default: 2048 chunked; prefill-first: at least the "
+                              "context)",
     "max_model_len": "context per request (default: the model's, capped to fit the KV memory)",
     "kv_memory_fraction": "share of free device memory the KV cache may take",
     "scheduling_policy": "chunked (decodes and prefill chunks share each step) or prefill-first",
     "enable_prefix_caching": "reuse a finished request's K/V for a later prompt with the same prefix",
     "enforce_eager": "the plain path: no CUDA graphs, torch's own matmuls (overrides --matmul)",
-    "matmul": "auto: each weight shape's fastest correct decode matmul on this CPU, measured once and cached; "
-              "aten: torch's F.linear (the readable reference)",
+    "matmul": "auto: each weight shape's fastest correct decode matmul on this CPU, measured once and "
+              "cached; aten: torch's F.linear (the readable reference)",
     "compile": "torch.compile the decode step (Inductor; eager is the default and the reference)",
     "sync_timing": "synchronise the device before stamping traces (timestamps = work done)",
     "step_history": "StepRecords the engine keeps (GET /v1/steps)",
@@ -51,7 +52,8 @@ class EngineConfig:
         if self.matmul not in MATMUL_MODES:
             problems.append(f"matmul must be one of {', '.join(MATMUL_MODES)}, got {self.matmul!r}")
         if self.scheduling_policy not in POLICIES:
-            problems.append(f"scheduling_policy must be one of {', '.join(POLICIES)}, got {self.scheduling_policy!r}")
+            problems.append(f"scheduling_policy must be one of {', '.join(POLICIES)}, got "
+                            f"{self.scheduling_policy!r}")
         for name in ("max_batch_size", "max_num_batched_tokens", "max_model_len", "step_history"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):

@@ -221,8 +221,8 @@ class LLMEngine:
                 if tok is not None:
                     outs.append(self._append_token(seq, tok, lp, t))
             rec.mark(now_ns())                                                    # outputs processed
-            rec.gc_ms = GC_CLOCK.in_window_ns(rec.t_start_ns, rec.t_ns[-1]) / 1e6      # inside wall_ms
-            rec.gc_output_ms = GC_CLOCK.in_window_ns(t, rec.t_ns[-1]) / 1e6            # after the sampled mark
+            rec.gc_ms = GC_CLOCK.in_window_ns(rec.t_start_ns, rec.t_ns[-1]) / 1e6     # inside wall_ms
+            rec.gc_output_ms = GC_CLOCK.in_window_ns(t, rec.t_ns[-1]) / 1e6           # after the sampled mark
             self.step_history.append(rec)
             return outs
 

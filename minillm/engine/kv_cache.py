@@ -63,15 +63,16 @@ def size_kv_cache(cfg: ModelConfig, dtype: torch.dtype, num_slots: int, max_len:
         if max_len is not None and fit_len < max_len:
             raise MemoryError(
                 f"max_model_len={max_len} does not fit: {num_slots} slots × {max_len} tokens × "
-                f"{per_token / 1024:.1f} KiB/token = {kv_cache_bytes(cfg, num_slots, max_len, dbytes) / 2**30:.2f} GiB, "
-                f"but {memory_fraction:.0%} of free memory is {budget / 2**30:.2f} GiB. The largest that fits is "
+                f"{per_token / 1024:.1f} KiB/token = "
+                f"{kv_cache_bytes(cfg, num_slots, max_len, dbytes) / 2**30:.2f} GiB, but "
+                f"{memory_fraction:.0%} of free memory is {budget / 2**30:.2f} GiB. The largest that fits is "
                 f"{fit_len}; lower max_model_len or max_batch_size, or raise kv_memory_fraction.")
         if fit_len < 16:
             need = kv_cache_bytes(cfg, num_slots, 16, dbytes)
             raise MemoryError(
                 f"KV cache for {num_slots} slots does not fit: even 16 tokens per slot need "
-                f"{need / 2**20:.1f} MiB, but {memory_fraction:.0%} of free memory is {budget / 2**20:.1f} MiB. "
-                f"Lower max_batch_size or use a smaller model.")
+                f"{need / 2**20:.1f} MiB, but {memory_fraction:.0%} of free memory is {budget / 2**20:.1f} "
+                "MiB. Lower max_batch_size or use a smaller model.")
         want = min(want, fit_len)
     return KVCacheSpec(num_slots, want, kv_cache_bytes(cfg, num_slots, want, dbytes))
 

@@ -25,13 +25,13 @@ to B = 8. On the Intel Xeon the project was measured on before, MKL was the good
 the choice is made by measurement on the machine that runs, never by vendor name.
 
 :func:`choose` times every candidate this torch build offers (:data:`CANDIDATES`) for each weight
-shape of the model at each decode row bucket and one prefill-sized bucket, over a stack of copies
-larger than the cache (a single 12 MB weight would be timed from cache, at a speed decode never
-sees), checks each against ``F.linear``, and keeps for each shape the candidate with the least
-geometric mean, over the buckets, of its time ÷ the best time at that bucket. The choice is cached per machine, torch, threads,
-dtype and shapes (:func:`cache_path`), so a second run pays nothing. :func:`apply` then swaps the
-chosen modules for :class:`PackedLinear`; the plain ``nn.Linear`` (``EngineConfig.matmul="aten"``,
-or ``enforce_eager``) stays the readable reference, and the tests pin the chosen path's tokens to it.
+shape of the model at each decode row bucket and one prefill-sized bucket, over a stack of copies larger than
+the cache (a single 12 MB weight would be timed from cache, at a speed decode never sees), checks each against
+``F.linear``, and keeps for each shape the candidate with the least geometric mean, over the buckets, of its
+time ÷ the best time at that bucket. The choice is cached per machine, torch, threads, dtype and shapes
+(:func:`cache_path`), so a second run pays nothing. :func:`apply` then swaps the chosen modules for
+:class:`PackedLinear`; the plain ``nn.Linear`` (``EngineConfig.matmul="aten"``, or ``enforce_eager``) stays
+the readable reference, and the tests pin the chosen path's tokens to it.
 
 Only a CPU has a choice here: on CUDA, cuBLAS already reads a weight once for a small batch.
 """
@@ -63,7 +63,8 @@ DECODE_ROWS = (1, 2, 4, 8, 16, 32, 64)  # the decode buckets the choice is timed
 ATTENTION_CONTEXT = 256                 # cached tokens per row when timing decode attention
 PAD_ROWS = 4                            # onednn-packed-pad4 pads fewer rows to this many
 PREFILL_ROWS = 256                      # one prefill-sized bucket: the packed weight serves prefill too
-STACK_BYTES = 64 * 2**20                # copies of a weight timed in turn: twice the 32 MiB cache of the VM it was tuned on
+# copies of a weight timed in turn: twice the 32 MiB cache of the VM it was tuned on
+STACK_BYTES = 64 * 2**20
 MAX_COPIES = 64
 
 
@@ -115,11 +116,13 @@ CANDIDATES: dict[str, Candidate] = {
         if b is not None else (x @ wt),
         lambda wt: wt.t()),
     "onednn-packed": Candidate(
-        "onednn-packed", "oneDNN with the weight reordered once into its blocked layout (Inductor's freezing)",
+        "onednn-packed",
+        "oneDNN with the weight reordered once into its blocked layout (Inductor's freezing)",
         _onednn_ok, lambda w: torch.ops.mkldnn._reorder_linear_weight(w), _onednn, lambda p: p.to_dense()),
     "onednn-packed-pad4": Candidate(
         "onednn-packed-pad4", "the same, with fewer than 4 rows padded to 4 (its faster kernel)",
-        _onednn_ok, lambda w: torch.ops.mkldnn._reorder_linear_weight(w), _onednn_padded, lambda p: p.to_dense()),
+        _onednn_ok, lambda w: torch.ops.mkldnn._reorder_linear_weight(w), _onednn_padded,
+        lambda p: p.to_dense()),
 }
 
 
@@ -201,7 +204,8 @@ class MatmulChoice(Result):
 
     def table(self) -> str:
         """ms per weight at each row count, every candidate, the chosen one marked."""
-        lines = [self.summary(), f"{'shape':<16}{'candidate':<21}" + "".join(f"{r:>9}" for r in self.row_counts)]
+        lines = [self.summary(),
+                 f"{'shape':<16}{'candidate':<21}" + "".join(f"{r:>9}" for r in self.row_counts)]
         for s in self.rows:
             for name, by_rows in s.ms.items():
                 mark = " *" if name == s.chosen else ""
@@ -213,7 +217,8 @@ class MatmulChoice(Result):
             mark = " *" if way == self.attention else ""
             lines.append(f"{'attention':<16}{way + mark:<21}"
                          + "".join(f"{by_rows.get(str(r), float('nan')) / 1e3:>9.3f}" for r in self.row_counts))
-        lines.append("(ms per weight, attention ms per layer at 256 cached tokens, median; * the chosen one: the least geometric mean of time ÷ the best at each row count)")
+        lines.append("(ms per weight, attention ms per layer at 256 cached tokens, median; * the chosen one: "
+                     "the least geometric mean of time ÷ the best at each row count)")
         return "\n".join(lines)
 
 

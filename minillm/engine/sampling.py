@@ -172,9 +172,9 @@ def _top_k_top_p_sorted(x: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor, kma
     rank = torch.arange(sorted_x.shape[-1], device=x.device)[None, :]        # [1, K]
     sorted_x = sorted_x.masked_fill(rank >= ks[:, None], float("-inf"))      # top-k
     p = sorted_x.softmax(-1)
-    before = p.cumsum(-1) - p                                                # mass of the tokens ranked above
-    drop = (before >= ps[:, None]) & (ps[:, None] < 1)                       # top-p: keep until top_p is reached
-    drop[:, 0] = False                                                       # the most likely token always stays
+    before = p.cumsum(-1) - p                                             # mass of the tokens ranked above
+    drop = (before >= ps[:, None]) & (ps[:, None] < 1)                    # top-p: keep until top_p is reached
+    drop[:, 0] = False                                                    # the most likely token always stays
     # (a row with top_p = 1 drops nothing: its cumulative sum can round to 1 before the tail)
     sorted_x = sorted_x.masked_fill(drop, float("-inf"))
     return torch.full_like(x, float("-inf")).scatter_(-1, order, sorted_x)   # the rest: outside top-k

@@ -1,10 +1,10 @@
 """What Python's garbage collector costs a decode (chapter 10.5: time on the host, outside the
 accelerator, that no phase of a step names).
 
-CPython's cyclic collector runs when allocations pass a threshold, in whichever thread allocated,
-and holds the GIL while it runs: the engine thread's Python stops mid-step (an operator already
-running in C++ goes on; the next one waits), and every stream's next token waits. A full (generation-2) collection walks every tracked object, so its cost grows with the
-heap, whatever the model. Three measurements:
+CPython's cyclic collector runs when allocations pass a threshold, in whichever thread allocated, and holds
+the GIL while it runs: the engine thread's Python stops mid-step (an operator already running in C++ goes on;
+the next one waits), and every stream's next token waits. A full (generation-2) collection walks every tracked
+object, so its cost grows with the heap, whatever the model. Three measurements:
 
 - :func:`collection_cost_by_heap`: a full collection's time in this process, with more live
   objects added (small lists, as an application's state would be). It grows with the heap.
@@ -86,8 +86,9 @@ class FreezeEffect:
     after_samples_ms: list[float] = field(default_factory=list)
 
     def line(self) -> str:
-        return (f"a fresh server process ({self.model}): {self.objects:,} objects after start-up; a full collection "
-                f"{self.before_ms:.1f} ms, after freezing {self.frozen:,} of them {self.after_ms:.2f} ms")
+        return (f"a fresh server process ({self.model}): {self.objects:,} objects after start-up; a full "
+                f"collection {self.before_ms:.1f} ms, after freezing {self.frozen:,} of them "
+                f"{self.after_ms:.2f} ms")
 
 
 def freeze_effect(model: str = "tiny", repeats: int = 5, timeout_s: float = 300) -> FreezeEffect:
@@ -116,8 +117,9 @@ class DecodeGc:
 
     def line(self) -> str:
         return (f"{'frozen' if self.frozen else 'not frozen':>10} ({self.objects:>9,} objects to walk): "
-                f"{self.collections} full collections, {self.steps_with_1ms} of {self.steps} steps held ≥ 1 ms of one "
-                f"(longest {self.gc_ms_max:.1f} ms); step p50 {self.step_ms_p50:.2f} ms, max {self.step_ms_max:.2f} ms")
+                f"{self.collections} full collections, {self.steps_with_1ms} of {self.steps} steps held ≥ 1 "
+                f"ms of one (longest {self.gc_ms_max:.1f} ms); step p50 {self.step_ms_p50:.2f} ms, max "
+                f"{self.step_ms_max:.2f} ms")
 
 
 def gc_in_decode(llm, every_s: float = 0.05, freeze: bool = False, batch: int = 4,
@@ -161,9 +163,11 @@ def gc_in_decode(llm, every_s: float = 0.05, freeze: bool = False, batch: int = 
         raise RuntimeError("no decode step was recorded")
     walls = [r.wall_ms for r in recs]
     gcs = [r.gc_ms for r in recs]
-    return DecodeGc(freeze or frozen_before, objects, len(runs), len(recs), sum(g >= 1.0 for g in gcs), max(gcs),
+    return DecodeGc(freeze or frozen_before, objects, len(runs), len(recs), sum(g >= 1.0 for g in gcs),
+                    max(gcs),
                     statistics.median(walls), max(walls))
 
 
-if __name__ == "__main__":      # freeze_effect's subprocess: python -m minillm.experiments.outside_gc MODEL REPEATS
+# freeze_effect's subprocess: python -m minillm.experiments.outside_gc MODEL REPEATS
+if __name__ == "__main__":
     print(json.dumps(_freeze_in_this_process(sys.argv[1], int(sys.argv[2]))))

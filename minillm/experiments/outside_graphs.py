@@ -71,8 +71,8 @@ class GraphsResult(Result):
         return next((r for r in self.rows if (r.model, r.batch, r.mode) == (model, batch, mode)), None)
 
     def table(self) -> str:
-        out = [f"engine decode, eager vs CUDA graphs — {self.hardware}, {self.dtype}, context {self.context}, "
-               f"bound at {self.bandwidth / 1e12:.2f} TB/s ({self.bandwidth_source})",
+        out = [f"engine decode, eager vs CUDA graphs — {self.hardware}, {self.dtype}, context "
+               f"{self.context}, bound at {self.bandwidth / 1e12:.2f} TB/s ({self.bandwidth_source})",
                f"{'model':<14}{'batch':>6}{'mode':>8}{'step ms':>10}{'tok/s':>10}{'% bound':>9}{'busy':>7}"
                f"{'launches':>10}{'kernels':>9}"]
         for r in self.rows:
@@ -98,8 +98,10 @@ class GraphsResult(Result):
 
 @torch.inference_mode()
 def run_graphs_comparison(models: tuple[str, ...] | list[str] = ("tiny", "llama-3.1-8b"),
-                          batches: tuple[int, ...] | list[int] = (1, 8, 64), context: int = 512, steps: int = 30,
-                          warmup: int = 5, profile_n: int = 10, device: str | None = None, dtype: str | None = None,
+                          batches: tuple[int, ...] | list[int] = (1, 8, 64), context: int = 512,
+                          steps: int = 30,
+                          warmup: int = 5, profile_n: int = 10, device: str | None = None,
+                          dtype: str | None = None,
                           bandwidth: float | None = None, seed: int = 0, command: str = "",
                           progress: bool = True, loaded: dict | None = None) -> GraphsResult:
     """Engine decode eager vs graphs for every model × batch (module docstring). CUDA only.
@@ -114,9 +116,9 @@ def run_graphs_comparison(models: tuple[str, ...] | list[str] = ("tiny", "llama-
 
     dev = pick_device(device)
     if dev.type != "cuda":
-        raise RuntimeError(f"CUDA graphs need a CUDA device, this is {dev}: on a CPU every operator runs as it "
-                           f"is issued, so there is nothing to capture (the notebook shows the launches per step "
-                           f"instead, and a GPU reference run when there is one)")
+        raise RuntimeError(f"CUDA graphs need a CUDA device, this is {dev}: on a CPU every operator runs as "
+                           "it is issued, so there is nothing to capture (the notebook shows the launches "
+                           "per step instead, and a GPU reference run when there is one)")
     t_start = time.time()
     dt = parse_dtype(dtype) if dtype else default_dtype(dev)
     bw = bandwidth or measure_read_bandwidth(dev).value
@@ -156,8 +158,10 @@ def run_graphs_comparison(models: tuple[str, ...] | list[str] = ("tiny", "llama-
                           flush=True)
         del m
         torch.cuda.empty_cache()
-    return GraphsResult(device=str(dev), hardware=describe_hardware(dev).summary(), dtype=dtype_name(dt), bandwidth=bw,
-                        bandwidth_source="given" if bandwidth else "measured read", context=context, steps=steps,
+    return GraphsResult(device=str(dev), hardware=describe_hardware(dev).summary(), dtype=dtype_name(dt),
+                        bandwidth=bw,
+                        bandwidth_source="given" if bandwidth else "measured read", context=context,
+                        steps=steps,
                         warmup=warmup, rows=rows, host=socket.gethostname(),
                         started=time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t_start)),
                         duration_s=time.time() - t_start, command=command or "run_graphs_comparison(...)",

@@ -86,10 +86,10 @@ class StepProfile:
         plain = f" (plain steps {self.plain_step_ms:.3f} ms; the profiler's own cost is the difference)" \
             if self.plain_step_ms is not None else ""
         kern = f"; {self.kernels_per_step:.0f} kernels ran per step" if self.kernels_per_step is not None else ""
-        return (f"device busy {100 * self.device_busy:.1f} % of wall: {self.device_ms / self.n_steps:.3f} ms of "
-                f"{self.device_work} in a {self.profiled_step_ms:.3f} ms profiled step{plain}\n"
-                f"{self.launches_per_step:.0f} {self.launch_kind} per step{kern}"
-                f"{'; CUDA graphs replayed' if self.cuda_graph else ''}")
+        return (f"device busy {100 * self.device_busy:.1f} % of wall: {self.device_ms / self.n_steps:.3f} ms "
+                f"of {self.device_work} in a {self.profiled_step_ms:.3f} ms profiled "
+                f"step{plain}\n{self.launches_per_step:.0f} {self.launch_kind} per "
+                f"step{kern}{'; CUDA graphs replayed' if self.cuda_graph else ''}")
 
     def op_table(self, n: int | None = None) -> str:
         rows = self.ops[:n] if n else self.ops
@@ -151,7 +151,8 @@ def analyse_events(events, n_steps: int, wall_ms: float, on_gpu: bool, top: int 
 
 
 @torch.inference_mode()
-def profile_steps(engine, n_steps: int = 20, warmup: int = 3, top: int = 15, plain: bool = True) -> StepProfile:
+def profile_steps(engine, n_steps: int = 20, warmup: int = 3, top: int = 15,
+                  plain: bool = True) -> StepProfile:
     """Profile ``n_steps`` steps of ``engine`` (an ``LLMEngine`` or an ``LLM``; its running batch
     must already hold requests that last that long: ``outside_steps.decode_engine`` builds one).
     ``warmup`` plain steps first; with ``plain``, ``n_steps`` more without the profiler, for the
@@ -183,7 +184,8 @@ def profile_steps(engine, n_steps: int = 20, warmup: int = 3, top: int = 15, pla
         kernels_per_step=kernels, plain_step_ms=plain_ms, cuda_graph=any(r.cuda_graph for r in recs), ops=ops)
 
 
-def profile_decode(model: str = "tiny", batch: int = 1, context: int = 128, n_steps: int = 20, warmup: int = 3,
+def profile_decode(model: str = "tiny", batch: int = 1, context: int = 128, n_steps: int = 20,
+                   warmup: int = 3,
                    device: str | None = None, dtype: str | None = None, enforce_eager: bool = False,
                    seed: int = 0, top: int = 15, loaded=None) -> StepProfile:
     """:func:`profile_steps` on a fresh engine decoding ``batch`` rows at ``context`` tokens."""

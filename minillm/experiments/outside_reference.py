@@ -32,7 +32,8 @@ def provenance(device, command: str = "") -> dict:
     import torch
 
     from minillm.hardware.machine import describe_hardware
-    return {"host": socket.gethostname(), "hardware": describe_hardware(device).summary(), "device": str(device),
+    return {"host": socket.gethostname(), "hardware": describe_hardware(device).summary(),
+            "device": str(device),
             "torch": torch.__version__, "cuda": str(torch.version.cuda), "python": platform.python_version(),
             "command": command or " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
             "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
@@ -72,9 +73,11 @@ def load_outside_references(dirs: list[str | Path] | tuple = REFERENCE_DIRS, roo
     return found
 
 
-def run_reference(out: str | Path, models: str = "tiny,llama-3.1-8b", batches: str = "1,8,64", context: int = 512,
+def run_reference(out: str | Path, models: str = "tiny,llama-3.1-8b", batches: str = "1,8,64",
+                  context: int = 512,
                   steps: int = 30, vocabs: str = "8192,128256", sampling_batches: str = "1,2,4,8,16,32,64",
-                  only: str = ",".join(k.removeprefix("outside-") for k in KINDS), profile_model: str = "tiny",
+                  only: str = ",".join(k.removeprefix("outside-") for k in KINDS),
+                  profile_model: str = "tiny",
                   profile_top: int = 10, allow_cpu: bool = False, command: str = "") -> int:
     """Everything 10.5 measures on a GPU, each part to its JSON (``python -m minillm outside-reference``).
     Returns 2, printing why, when no CUDA device is there and ``allow_cpu`` (a dry run) is off."""
@@ -103,7 +106,8 @@ def run_reference(out: str | Path, models: str = "tiny,llama-3.1-8b", batches: s
     if "graphs" in parts and dev.type == "cuda":
         from minillm.experiments.outside_graphs import run_graphs_comparison
         print("== engine decode, eager vs CUDA graphs", flush=True)
-        g = run_graphs_comparison(models, batches, context=a.context, steps=a.steps, command=cmd, loaded=loaded)
+        g = run_graphs_comparison(models, batches, context=a.context, steps=a.steps, command=cmd,
+                                  loaded=loaded)
         print(g.table(), flush=True)
         written.append(write_reference(a.out, "outside-graphs", g.to_dict(), dev, cmd))
 
@@ -111,7 +115,8 @@ def run_reference(out: str | Path, models: str = "tiny,llama-3.1-8b", batches: s
         from minillm.experiments.outside_sampling import run_sampling_bench
         print("== sampling cost, 8k and 128k vocabularies", flush=True)
         s = run_sampling_bench([int(b) for b in a.sampling_batches.split(",") if b],
-                               [int(v) for v in a.vocabs.split(",") if v], repeats=10, budget_s=2.0, command=cmd)
+                               [int(v) for v in a.vocabs.split(",") if v], repeats=10, budget_s=2.0,
+                               command=cmd)
         print(s.table(), "\n", s.speedup_table(), flush=True)
         written.append(write_reference(a.out, "outside-sampling", s.to_dict(), dev, cmd))
 
@@ -125,14 +130,16 @@ def run_reference(out: str | Path, models: str = "tiny,llama-3.1-8b", batches: s
             print(mode, p.summary(), p.op_table(a.profile_top), sep="\n", flush=True)
             profs[mode] = p.to_dict()
         written.append(write_reference(a.out, "outside-profile", {"model": a.profile_model, "batch": 1,
-                                                                  "context": a.context, "profiles": profs}, dev, cmd))
+                                                                  "context": a.context, "profiles": profs},
+                                       dev, cmd))
 
     if "phases" in parts:
         from minillm.experiments.outside_steps import measure_phase_cases, phase_table
         print("== step phases", flush=True)
         cases = measure_phase_cases(tuple(models), (1, 32), context=a.context, steps=a.steps, loaded=loaded)
         print(phase_table(cases), flush=True)
-        written.append(write_reference(a.out, "outside-phases", {"cases": [c.to_dict() for c in cases]}, dev, cmd))
+        written.append(write_reference(a.out, "outside-phases", {"cases": [c.to_dict() for c in cases]}, dev,
+                                       cmd))
 
     for p in written:
         print("wrote", p)

@@ -64,7 +64,8 @@ def per_row_filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tens
         cum = sorted_logits.softmax(-1).cumsum(-1)                       # [V]
         # drop a token when the tokens *before* it already reach top_p (always keeps the first)
         drop_sorted = (cum - sorted_logits.softmax(-1)) >= top_p
-        logits = logits.masked_fill(torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted), float("-inf"))
+        logits = logits.masked_fill(torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted),
+                                    float("-inf"))
     return logits
 
 
@@ -163,8 +164,8 @@ class SamplingBench(Result):
         def cell(m: str, B: int, V: int) -> str:
             r = self.get(m, B, V, impl)
             return f"{r.ms_median:>14.3f}" if r else f"{'-':>14}"
-        title = (f"sampling cost per step ({impl}), ms (median of {self.repeats}); logits {self.logits_dtype} "
-                 f"on {self.hardware}")
+        title = (f"sampling cost per step ({impl}), ms (median of {self.repeats}); logits "
+                 f"{self.logits_dtype} on {self.hardware}")
         return self._grid(title, self.method_names, cell)
 
     def speedup_table(self) -> str:
@@ -185,7 +186,8 @@ class SamplingBench(Result):
         return "\n".join(out)
 
 
-def time_ms(fn, device: torch.device, repeats: int, warmup: int = 1, budget_s: float | None = None) -> list[float]:
+def time_ms(fn, device: torch.device, repeats: int, warmup: int = 1,
+            budget_s: float | None = None) -> list[float]:
     """Wall ms of ``fn()`` (device drained after each), ``repeats`` times after ``warmup``; with
     ``budget_s``, stop early (after at least 3 samples) once that much time is spent."""
     for _ in range(warmup):
@@ -226,7 +228,8 @@ def run_sampling_bench(batches: tuple[int, ...] | list[int] = DEFAULT_BATCHES,
     unknown = [m for m in names if m not in METHODS]
     bad_impl = [i for i in impls if i not in IMPLS]
     if unknown or bad_impl:
-        raise ValueError(f"unknown methods {unknown} or impls {bad_impl}; methods: {list(METHODS)}, impls: {IMPLS}")
+        raise ValueError(f"unknown methods {unknown} or impls {bad_impl}; methods: {list(METHODS)}, impls: "
+                         f"{IMPLS}")
     dev = pick_device(device)
     dt = parse_dtype(dtype) if dtype else default_dtype(dev)
     t_start = time.time()
@@ -251,7 +254,8 @@ def run_sampling_bench(batches: tuple[int, ...] | list[int] = DEFAULT_BATCHES,
                             return per_row_sample(logits, params, gens)
                     rows.append(SamplingRow(impl, m, B, V, time_ms(fn, dev, repeats, warmup, budget_s)))
             del logits
-    return SamplingBench(device=str(dev), logits_dtype=dtype_name(dt), hardware=describe_hardware(dev).summary(),
+    return SamplingBench(device=str(dev), logits_dtype=dtype_name(dt),
+                         hardware=describe_hardware(dev).summary(),
                          torch_threads=torch.get_num_threads(), repeats=repeats,
                          methods={m: _sampling_fields(METHODS[m]) for m in names}, rows=rows,
                          started=time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t_start)),

@@ -135,7 +135,8 @@ def run_decode_steps(engine, steps: int, warmup: int = 0) -> list[StepRecord]:
         outs = engine.step()
         rec = engine.step_history[-1]
         if rec.error or len(outs) != rows or any(o.finish_reason == "error" for o in outs):
-            raise RuntimeError(f"step {rec.step} failed or lost rows: {rec.error or f'{len(outs)} of {rows} rows'}")
+            raise RuntimeError(f"step {rec.step} failed or lost rows: "
+                               f"{rec.error or f'{len(outs)} of {rows} rows'}")
         if i >= warmup:
             records.append(rec)
     return records
@@ -204,7 +205,8 @@ def measure_step_phases(model: str = "tiny", batch: int = 1, context: int = 128,
     recs = run_decode_steps(engine, steps, warmup)
     dms = [r.device_ms for r in recs]
     return PhaseCase(model=str(model), batch=batch, context=context, device=str(m.device),
-                     dtype=dtype_name(m.dtype), sampling=describe_sampling(params), steps=steps, warmup=warmup,
+                     dtype=dtype_name(m.dtype), sampling=describe_sampling(params), steps=steps,
+                     warmup=warmup,
                      cuda_graph=any(r.cuda_graph for r in recs),
                      phase_ms={p: [r.phase_ms[p] for r in recs] for p in PHASES},
                      wall_ms=[r.wall_ms for r in recs],
@@ -248,7 +250,8 @@ def load_warning(threshold: float = 0.5) -> str | None:
     return None if w is None else "WARNING: " + w
 
 
-def phase_noise_warning(samples: dict[str, list[float]], spread: float = NOISY_SPREAD, max_named: int = 6) -> str | None:
+def phase_noise_warning(samples: dict[str, list[float]], spread: float = NOISY_SPREAD,
+                        max_named: int = 6) -> str | None:
     """A warning naming the series whose p90/p10 exceeds ``spread`` (the first ``max_named``), else
     None, prefixed "WARNING: " (:func:`minillm.hardware.quiet.noisy_warning`)."""
     from minillm.hardware.quiet import noisy_warning as _noisy

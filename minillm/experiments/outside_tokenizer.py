@@ -89,7 +89,7 @@ class TokenizerRow:
     n_chars: int
     us_per_token: list[float]    # every sample
     us_per_token_median: float = 0.0
-    same_text: bool = True       # decode: the deltas add up to tokenizer.decode(ids) (modulo surrounding spaces)
+    same_text: bool = True    # decode: the deltas add up to tokenizer.decode(ids) (modulo surrounding spaces)
 
     def __post_init__(self) -> None:
         if self.us_per_token and not self.us_per_token_median:
@@ -196,10 +196,13 @@ def run_tokenizer_bench(tokenizers: list[str | None] | tuple = (None,), texts: d
         stream = isinstance(make_detokenizer(tok, []), StreamDetokenizer)
         for kind, base in texts.items():
             text, ids = _repeat_to(tok, base, n_tokens)
-            rows.append(TokenizerRow(label, kind, "encode", len(ids), len(text), time_encode(tok, text, repeats)))
+            rows.append(TokenizerRow(label, kind, "encode", len(ids), len(text),
+                                     time_encode(tok, text, repeats)))
             ops = (["decode (DecodeStream)"] if stream else []) + ["decode (window)"]
             for op in ops:
                 us, same = time_incremental_decode(tok, ids, repeats, window=op == "decode (window)")
                 rows.append(TokenizerRow(label, kind, op, len(ids), len(text), us, same_text=same))
-    return TokenizerBench(hardware=describe_hardware("cpu").summary(), repeats=repeats, n_tokens=n_tokens, rows=rows,
-                          versions={"tokenizers": tk_lib.__version__, "transformers": transformers.__version__})
+    return TokenizerBench(hardware=describe_hardware("cpu").summary(), repeats=repeats, n_tokens=n_tokens,
+                          rows=rows,
+                          versions={"tokenizers": tk_lib.__version__,
+                                    "transformers": transformers.__version__})

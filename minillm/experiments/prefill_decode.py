@@ -43,8 +43,8 @@ The copy bandwidth (bytes read + written) is measured and shown beside it, label
 Result files written before this change hold the copy figure as ``bandwidth`` (``bandwidth_kind``
 absent: read as "copy").
 
-``python -m minillm prefill-decode`` (:func:`write_reference`) runs everything and writes one JSON (a reference
-run with provenance: host, hardware, versions, command, every sample).
+``python -m minillm prefill-decode`` (:func:`write_reference`) runs everything and writes one JSON (a
+reference run with provenance: host, hardware, versions, command, every sample).
 """
 from __future__ import annotations
 
@@ -128,8 +128,8 @@ def _fill(row: RooflineRow, flops: int, bytes_: int, bw: float, peak: float) -> 
 @dataclass
 class PrefillDecodeResult(RunProvenance):
     config: dict
-    ceilings: dict                          # bandwidth (B/s, read), copy_bandwidth, peak_flops (FLOP/s), samples
-    ridge_point: float                      # I* = peak / bandwidth, FLOP/byte
+    ceilings: dict                       # bandwidth (B/s, read), copy_bandwidth, peak_flops (FLOP/s), samples
+    ridge_point: float                   # I* = peak / bandwidth, FLOP/byte
     decode_context: int
     prefill: list[RooflineRow]
     decode: list[RooflineRow]
@@ -151,22 +151,21 @@ class PrefillDecodeResult(RunProvenance):
     def table(self) -> str:
         c = self.ceilings
         out = [f"{self.model} {self.dtype} on {self.hardware.get('summary', self.device)}",
-               f"ceilings ({c['source']}): " + bandwidth_words(c) + ", "
-               f"matmul {c['peak_flops'] / 1e9:.1f} GFLOP/s → ridge point I* = {self.ridge_point:.1f} FLOP/byte",
+               f"ceilings ({c['source']}): " + bandwidth_words(c) + f", matmul {c['peak_flops'] / 1e9:.1f} "
+                                                                    "GFLOP/s → ridge point I* = "
+                                                                    f"{self.ridge_point:.1f} FLOP/byte",
                f"{'phase':<8}{'T or B':>7}{'ms':>10}{'ms/tok':>9}{'tok/s':>10}{'FLOP/B':>9}"
                f"{'GFLOP/s':>10}{'GB/s':>8}{'MFU':>7}{'MBU':>7}"]
         for r in self.prefill + self.decode:
             if not r.ok:
                 out.append(f"{r.phase:<8}{r.tokens:>7} {r.status}")
                 continue
-            out.append(f"{r.phase:<8}{r.tokens:>7}{r.time_ms_median:>10.2f}{r.ms_per_token:>9.3f}{r.tok_s:>10.0f}"
-                       f"{r.intensity:>9.1f}{r.achieved_flops / 1e9:>10.1f}{r.achieved_bw / 1e9:>8.1f}"
-                       f"{100 * r.mfu:>6.0f}%{100 * r.mbu:>6.0f}%{' *' if r.noisy else ''}")
+            out.append(f"{r.phase:<8}{r.tokens:>7}{r.time_ms_median:>10.2f}{r.ms_per_token:>9.3f}{r.tok_s:>10.0f}{r.intensity:>9.1f}{r.achieved_flops / 1e9:>10.1f}{r.achieved_bw / 1e9:>8.1f}{100 * r.mfu:>6.0f}%{100 * r.mbu:>6.0f}%{' *' if r.noisy else ''}")
         ratio = cost_ratio(self)
         if ratio:
-            out.append(f"one batch-1 decode token costs as much time as {ratio['decode_b1_over_prefill']:.0f} "
-                       f"prefill tokens (T={ratio['prefill_tokens']}); at batch {ratio['batch']}: "
-                       f"{ratio['decode_bmax_over_prefill']:.1f}")
+            out.append("one batch-1 decode token costs as much time as "
+                       f"{ratio['decode_b1_over_prefill']:.0f} prefill tokens (T={ratio['prefill_tokens']}); "
+                       f"at batch {ratio['batch']}: {ratio['decode_bmax_over_prefill']:.1f}")
         for w in busy_warnings(self):
             out.append("WARNING: " + w)
         return "\n".join(out)
@@ -188,15 +187,17 @@ def busy_warnings(result: PrefillDecodeResult | dict) -> list[str]:
     noisy = [f"{r['phase']} {r['tokens']}" for r in d["prefill"] + d["decode"]
              if r["status"] == "ok" and too_wide(r.get("time_ms_p10"), r.get("time_ms_p90"))]
     if noisy:
-        out.append(f"noisy rows (p90/p10 of the samples > {NOISY_SPREAD}): {', '.join(noisy)}; something else "
-                   f"was using the machine, rerun before trusting them")
-    for key, what in (("bandwidth_samples", f"{d.get('ceilings', {}).get('bandwidth_kind', 'copy')} bandwidth"),
+        out.append(f"noisy rows (p90/p10 of the samples > {NOISY_SPREAD}): {', '.join(noisy)}; something "
+                   "else was using the machine, rerun before trusting them")
+    for key, what in (("bandwidth_samples",
+                       f"{d.get('ceilings', {}).get('bandwidth_kind', 'copy')} bandwidth"),
                       ("peak_samples", "matmul peak")):
         xs = d.get("ceilings", {}).get(key) or []
         if len(xs) >= 3:
             _, p10, p90 = median_p10_p90(list(xs))
             if too_wide(p10, p90):
-                out.append(f"the {what} samples spread ×{p90 / p10:.1f} (p90/p10): the ceilings themselves are noisy")
+                out.append(f"the {what} samples spread ×{p90 / p10:.1f} (p90/p10): the ceilings themselves "
+                           "are noisy")
     load, cores = d.get("load", {}).get("before"), d.get("load", {}).get("cores")
     if load is not None and cores and load > cores:
         out.append(f"the 1-minute load average was {load:.1f} on {cores} cores before the run: "
@@ -236,7 +237,8 @@ def measure_prefill(engine, tokens: int, repeats: int = 3, warmup: int = 1, seed
     from minillm.engine.sampling import SamplingParams
     from minillm.loadgen.workload import LengthDist, make_prompts
     if tokens >= engine.max_model_len:
-        raise ValueError(f"a {tokens}-token prompt does not fit this engine's context ({engine.max_model_len})")
+        raise ValueError(f"a {tokens}-token prompt does not fit this engine's context "
+                         f"({engine.max_model_len})")
     engine.scheduler.max_num_batched_tokens = max(engine.scheduler.max_num_batched_tokens, tokens)
     vocab = engine.config.vocab_size
     params = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0)
@@ -267,7 +269,8 @@ def measure_prefill(engine, tokens: int, repeats: int = 3, warmup: int = 1, seed
     return row
 
 
-def run_prefill_decode(llm=None, model: str | None = None, device: str | None = None, dtype: str | None = None,
+def run_prefill_decode(llm=None, model: str | None = None, device: str | None = None,
+                       dtype: str | None = None,
                        lengths: list[int] | None = None, batches: list[int] | None = None,
                        context: int | None = None, repeats: int = 3, warmup: int = 1, steps: int = 10,
                        decode_warmup: int = 3, cuda_graphs: bool = True, copy_bytes: int | None = None,
@@ -295,7 +298,9 @@ def run_prefill_decode(llm=None, model: str | None = None, device: str | None = 
     hw = describe_hardware(dev)
 
     # a small copy_bytes (tests, fast mode) shrinks both; else the decode bound's one rule
-    rd_m = measure_read_bandwidth(dev, copy_bytes or decode_read_bytes(dev, rf.decode_step_bytes(cfg, nb, 1, context)))
+    rd_m = measure_read_bandwidth(dev,
+                                  copy_bytes or decode_read_bytes(dev,
+                                                                  rf.decode_step_bytes(cfg, nb, 1, context)))
     cp_m = measure_copy_bandwidth(dev, nbytes=copy_bytes)
     pk_m = measure_matmul_peak(dev, dt, n=matmul_n)
     bw, peak = rd_m.value, pk_m.value
@@ -308,7 +313,8 @@ def run_prefill_decode(llm=None, model: str | None = None, device: str | None = 
     bar = None
     if progress:
         from tqdm.auto import tqdm
-        bar = tqdm(total=len(lengths) + len(batches), desc=f"prefill/decode {llm.model_name}", file=sys.stderr)
+        bar = tqdm(total=len(lengths) + len(batches), desc=f"prefill/decode {llm.model_name}",
+                   file=sys.stderr)
 
     prefill_rows: list[RooflineRow] = []
     max_len = min(max(lengths) + 8, cfg.max_position_embeddings)
@@ -319,7 +325,8 @@ def run_prefill_decode(llm=None, model: str | None = None, device: str | None = 
             row = measure_prefill(engine, T, repeats, warmup, seed)
             _fill(row, prefill_flops(cfg, T), prefill_bytes(cfg, nb, T), bw, peak)
         except Exception as e:         # one length failing must not end the sweep
-            row = RooflineRow("prefill", T, 1, T, status="oom" if is_oom(e) else f"error: {type(e).__name__}: {e}")
+            row = RooflineRow("prefill", T, 1, T,
+                              status="oom" if is_oom(e) else f"error: {type(e).__name__}: {e}")
             for rid in list(engine._seqs):
                 engine.abort(rid)
                 engine._seqs.pop(rid, None)
@@ -332,13 +339,17 @@ def run_prefill_decode(llm=None, model: str | None = None, device: str | None = 
     for B in batches:
         eng = None
         try:
-            eng = _engine(llm, max_batch_size=B, kv_memory_fraction=0.9, enforce_eager=not cuda_graphs, seed=seed,
+            eng = _engine(llm, max_batch_size=B, kv_memory_fraction=0.9, enforce_eager=not cuda_graphs,
+                          seed=seed,
                           max_model_len=context + context // 2 + decode_warmup + 3 * steps + 8)
             r = measure_batch(eng, B, context, decode_warmup, steps, cuda_graphs, served=False)
-            row = RooflineRow("decode", B, B, context, time_ms=list(r.forward_ms), served_ms=list(r.engine_ms))
-            _fill(row, rf.decode_step_flops(cfg, B, context), rf.decode_step_bytes(cfg, nb, B, context), bw, peak)
+            row = RooflineRow("decode", B, B, context, time_ms=list(r.forward_ms),
+                              served_ms=list(r.engine_ms))
+            _fill(row, rf.decode_step_flops(cfg, B, context), rf.decode_step_bytes(cfg, nb, B, context), bw,
+                  peak)
         except Exception as e:
-            row = RooflineRow("decode", B, B, context, status="oom" if is_oom(e) else f"error: {type(e).__name__}: {e}")
+            row = RooflineRow("decode", B, B, context,
+                              status="oom" if is_oom(e) else f"error: {type(e).__name__}: {e}")
         finally:
             del eng
             if dev.type == "cuda":
@@ -358,13 +369,15 @@ def run_prefill_decode(llm=None, model: str | None = None, device: str | None = 
         config=cfg.to_dict(),
         ceilings=ceil, ridge_point=rf.ridge_point(peak, bw), decode_context=context,
         prefill=prefill_rows, decode=decode_rows,
-        settings={"lengths": lengths, "batches": batches, "repeats": repeats, "warmup": warmup, "steps": steps,
+        settings={"lengths": lengths, "batches": batches, "repeats": repeats, "warmup": warmup,
+                  "steps": steps,
                   "decode_warmup": decode_warmup, "cuda_graphs": bool(cuda_graphs and dev.type == "cuda"),
                   "prefix_caching": False, "unique_prompts": True,
                   "prefill_time": "StepRecord forward_issue + device of the one step holding the prompt",
                   "decode_time": "forward alone on the ideal layout (sweep.measure_batch)"},
         load={"before": load_before, "after": load_average(), "cores": cpu_cores()},
-        started=time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t_start)), duration_s=time.time() - t_start)
+        started=time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t_start)),
+        duration_s=time.time() - t_start)
 
 
 def prefill_time_ms(result: PrefillDecodeResult | dict, tokens: int) -> float | None:
@@ -395,7 +408,8 @@ def roof_reached_at(result: PrefillDecodeResult | dict, fraction: float = 0.8) -
 
 # ----------------------------------------------------------------------------- references
 
-def load_prefill_decode_references(roots: Sequence[str | Path] | None = None, base: str | Path | None = None) -> list[dict]:
+def load_prefill_decode_references(roots: Sequence[str | Path] | None = None,
+                                   base: str | Path | None = None) -> list[dict]:
     """Reference runs (``prefill-decode-*.json``, written by ``python -m minillm prefill-decode``)
     below the reference folders (``minillm.experiments.references``); an empty list when there are none."""
     from minillm.bench.sweep_result import load_result
@@ -410,8 +424,10 @@ def load_prefill_decode_references(roots: Sequence[str | Path] | None = None, ba
 
 # ----------------------------------------------------------------------------- command line
 
-def write_reference(out_dir: str | Path = "runs/prefill-decode", model: str | None = None, device: str | None = None,
-                    dtype: str | None = None, lengths: list[int] | None = None, batches: list[int] | None = None,
+def write_reference(out_dir: str | Path = "runs/prefill-decode", model: str | None = None,
+                    device: str | None = None,
+                    dtype: str | None = None, lengths: list[int] | None = None,
+                    batches: list[int] | None = None,
                     context: int | None = None, repeats: int = 3, steps: int = 10, cuda_graphs: bool = True,
                     copy_bytes: int | None = None, matmul_n: int | None = None, stall_long: int | None = None,
                     n_short: int = 8, budgets: Sequence[int] = (64, 128, 256, 512, 1024, 2048),
@@ -435,7 +451,8 @@ def write_reference(out_dir: str | Path = "runs/prefill-decode", model: str | No
     if model in PRESETS:                   # a preset's context caps everything (a dry run on `tiny`)
         max_len = min(max_len, PRESETS[model].max_position_embeddings)
     if setup and long_len + setup["long_output"] >= max_len:
-        print(f"no stall runs: a {long_len}-token prompt does not fit {model}'s context ({max_len})", flush=True)
+        print(f"no stall runs: a {long_len}-token prompt does not fit {model}'s context ({max_len})",
+              flush=True)
         setup = None
     llm = LLM(model, device=str(dev), dtype=dtype, max_batch_size=n_short + 1, max_model_len=max_len,
               scheduling_policy="prefill-first", enable_prefix_caching=False, enforce_eager=not cuda_graphs)

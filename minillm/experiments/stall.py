@@ -64,7 +64,8 @@ class StallRun(Result):
     long_id: str
     tokens_ms: dict[str, list[float]]       # request → its token times
     token_steps: dict[str, list[int]]       # request → the step of each token
-    chunks: list[dict]                      # the long prefill's chunks: step, t_start_ms, t_end_ms, tokens, decode_rows
+    # the long prefill's chunks: step, t_start_ms, t_end_ms, tokens, decode_rows
+    chunks: list[dict]
     steps: list[dict]                       # the scenario's StepRecords, abridged
     stalled: list[dict]                     # short requests' gaps holding the whole long prefill
     itl_max_ms: float
@@ -80,10 +81,12 @@ class StallRun(Result):
         return len(self.chunks)
 
     def gaps(self) -> list[StepGap]:
-        return gaps_by_steps({r: self.token_steps[r] for r in self.short_ids}, [c["step"] for c in self.chunks])
+        return gaps_by_steps({r: self.token_steps[r] for r in self.short_ids},
+                             [c["step"] for c in self.chunks])
 
 
-def stall_setup(n_short: int = 8, long_prompt_len: int = 2048, min_budget: int = 64, arrive_after_tokens: int = 16,
+def stall_setup(n_short: int = 8, long_prompt_len: int = 2048, min_budget: int = 64,
+                arrive_after_tokens: int = 16,
                 short_prompt_len: int = 16, long_output: int = 1, tail: int = 16) -> dict:
     """``stall_scenario``'s keywords, with the decoders' output long enough that they are still
     decoding when the long prompt's last chunk runs at the smallest budget (so every budget of a
@@ -143,7 +146,8 @@ def run_stall(llm, policy: str, budget: int, setup: dict, seed: int = 0) -> Stal
     return StallRun(policy, budget, dict(setup), list(res.short_ids), res.long_id, tokens_ms, token_steps,
                     chunks, steps, stalled, float(itl.max()), float(np.percentile(itl, 99)),
                     float(np.percentile(itl, 50)), sum(m.output_tokens for m in mets) / ((end - start) / 1e9),
-                    long_m.ttft_s * 1e3, (long_tr.first("prefill_end").t_ns - long_tr.first("prefill_start").t_ns) / 1e6,
+                    long_m.ttft_s * 1e3,
+                    (long_tr.first("prefill_end").t_ns - long_tr.first("prefill_start").t_ns) / 1e6,
                     max(with_chunk, default=0.0))
 
 
@@ -159,8 +163,7 @@ class Tradeoff(Result):
         s = self.setup
         out = [f"{s['n_short']} requests decoding, a {s['long_prompt_len']}-token prompt arrives after "
                f"{s['arrive_after_tokens']} tokens",
-               f"{'policy':<14}{'budget':>7}{'chunks':>7}{'ITL max ms':>11}{'ITL p99 ms':>11}{'ITL p50 ms':>11}"
-               f"{'long TTFT ms':>13}{'out tok/s':>10}"]
+               f"{'policy':<14}{'budget':>7}{'chunks':>7}{'ITL max ms':>11}{'ITL p99 ms':>11}{'ITL p50 ms':>11}{'long TTFT ms':>13}{'out tok/s':>10}"]
         for r in [self.prefill_first, *self.chunked]:
             out.append(f"{r.policy:<14}{r.budget:>7}{r.n_chunks:>7}{r.itl_max_ms:>11.1f}{r.itl_p99_ms:>11.1f}"
                        f"{r.itl_p50_ms:>11.1f}{r.long_ttft_ms:>13.1f}{r.output_tok_s:>10.1f}")
@@ -195,11 +198,12 @@ def stall_warnings(runs: Sequence[StallRun | dict], spike: float = 3.0) -> list[
             spikes += [(w, m) for w in same if w > spike * m]
         if spikes:
             w, m = max(spikes)
-            out.append(f"{tag}: {len(spikes)} decode-only step(s) took over {spike:g}× the median of their batch "
-                       f"(up to {w:.1f} ms against {m:.1f} ms) with no prefill in them")
+            out.append(f"{tag}: {len(spikes)} decode-only step(s) took over {spike:g}× the median of their "
+                       f"batch (up to {w:.1f} ms against {m:.1f} ms) with no prefill in them")
     if med:
         mid = statistics.median(med.values())
-        out += [f"{tag}: decode steps before the arrival took {m:.1f} ms against {mid:.1f} ms in the other runs"
+        out += [f"{tag}: decode steps before the arrival took {m:.1f} ms against {mid:.1f} ms in the other "
+                "runs"
                 for tag, m in med.items() if max(m / mid, mid / m) > NOISY_SPREAD]
     if out:
         out.append("something else was using the machine: rerun before trusting these runs' max ITL")
@@ -230,7 +234,8 @@ def chunk_tradeoff(llm, budgets: Sequence[int], setup: dict, warmup: bool = True
     return Tradeoff(dict(setup), first, runs)
 
 
-def largest_budget_within(runs: Sequence[StallRun | dict], slo_ms: float, key: str = "itl_p99_ms") -> int | None:
+def largest_budget_within(runs: Sequence[StallRun | dict], slo_ms: float,
+                          key: str = "itl_p99_ms") -> int | None:
     """The largest measured budget whose ``key`` stays ≤ slo_ms (the largest chunk keeps the
     long request's TTFT and the throughput best), or None."""
     ok = [(r["budget"] if isinstance(r, dict) else r.budget) for r in runs

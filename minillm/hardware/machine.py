@@ -51,24 +51,28 @@ T, G, GiB = 1e12, 1e9, 2**30
 GPU_SPECS: list[tuple[tuple[str, ...], GPUSpec]] = [
     # NVIDIA H200 datasheet (nvidia.com/en-us/data-center/h200): 4.8 TB/s, BF16 1,979 TF sparse, FP32 67 TF
     # H200 NVL (same datasheet): 4.8 TB/s, BF16 1,671 TF sparse, FP32 60 TF
-    (("H200", "NVL"), GPUSpec("H200 NVL 141GB", 4.8 * T, {"bf16": 835.5 * T, "fp16": 835.5 * T, "fp32": 60 * T},
-                              "NVIDIA H200 datasheet", 141 * GiB)),
+    (("H200", "NVL"),
+     GPUSpec("H200 NVL 141GB", 4.8 * T, {"bf16": 835.5 * T, "fp16": 835.5 * T, "fp32": 60 * T},
+             "NVIDIA H200 datasheet", 141 * GiB)),
     (("H200",), GPUSpec("H200 SXM 141GB", 4.8 * T, {"bf16": 989.5 * T, "fp16": 989.5 * T, "fp32": 67 * T},
                         "NVIDIA H200 datasheet", 141 * GiB)),
-    # NVIDIA H100 datasheet (nvidia.com/en-us/data-center/h100): SXM 3.35 TB/s, BF16 1,979 TF sparse, FP32 67 TF;
-    # PCIe 2 TB/s, 1,513 TF sparse, FP32 51 TF; NVL 3.9 TB/s, 1,671 TF sparse, FP32 60 TF
-    (("H100", "NVL"), GPUSpec("H100 NVL 94GB", 3.9 * T, {"bf16": 835.5 * T, "fp16": 835.5 * T, "fp32": 60 * T},
-                              "NVIDIA H100 datasheet", 94 * GiB)),
-    (("H100", "PCIE"), GPUSpec("H100 PCIe 80GB", 2.0 * T, {"bf16": 756.5 * T, "fp16": 756.5 * T, "fp32": 51 * T},
-                               "NVIDIA H100 datasheet", 80 * GiB)),
+    # NVIDIA H100 datasheet (nvidia.com/en-us/data-center/h100): SXM 3.35 TB/s, BF16 1,979 TF sparse, FP32 67
+    # TF; PCIe 2 TB/s, 1,513 TF sparse, FP32 51 TF; NVL 3.9 TB/s, 1,671 TF sparse, FP32 60 TF
+    (("H100", "NVL"),
+     GPUSpec("H100 NVL 94GB", 3.9 * T, {"bf16": 835.5 * T, "fp16": 835.5 * T, "fp32": 60 * T},
+             "NVIDIA H100 datasheet", 94 * GiB)),
+    (("H100", "PCIE"),
+     GPUSpec("H100 PCIe 80GB", 2.0 * T, {"bf16": 756.5 * T, "fp16": 756.5 * T, "fp32": 51 * T},
+             "NVIDIA H100 datasheet", 80 * GiB)),
     (("H100",), GPUSpec("H100 SXM 80GB", 3.35 * T, {"bf16": 989.5 * T, "fp16": 989.5 * T, "fp32": 67 * T},
                         "NVIDIA H100 datasheet", 80 * GiB)),
     # NVIDIA A100 datasheet (nvidia.com/en-us/data-center/a100): 80GB SXM 2,039 GB/s, 80GB PCIe 1,935 GB/s,
     # 40GB 1,555 GB/s; BF16/FP16 tensor 312 TF dense; FP32 19.5 TF
     (("A100", "40GB"), GPUSpec("A100 40GB", 1555 * G, {"bf16": 312 * T, "fp16": 312 * T, "fp32": 19.5 * T},
                                "NVIDIA A100 datasheet", 40 * GiB)),
-    (("A100", "PCIE"), GPUSpec("A100 PCIe 80GB", 1935 * G, {"bf16": 312 * T, "fp16": 312 * T, "fp32": 19.5 * T},
-                               "NVIDIA A100 datasheet", 80 * GiB)),
+    (("A100", "PCIE"),
+     GPUSpec("A100 PCIe 80GB", 1935 * G, {"bf16": 312 * T, "fp16": 312 * T, "fp32": 19.5 * T},
+             "NVIDIA A100 datasheet", 80 * GiB)),
     (("A100",), GPUSpec("A100 SXM 80GB", 2039 * G, {"bf16": 312 * T, "fp16": 312 * T, "fp32": 19.5 * T},
                         "NVIDIA A100 datasheet", 80 * GiB)),
     # NVIDIA L40S datasheet: 864 GB/s, BF16 733 TF sparse, FP32 91.6 TF
@@ -83,17 +87,22 @@ GPU_SPECS: list[tuple[tuple[str, ...], GPUSpec]] = [
     # NVIDIA T4 datasheet: 320 GB/s, FP16 mixed precision 65 TF, FP32 8.1 TF; no bf16 tensor cores
     (("T4",), GPUSpec("T4", 320 * G, {"fp16": 65 * T, "fp32": 8.1 * T}, "NVIDIA T4 datasheet", 16 * GiB)),
     # NVIDIA V100 datasheet (SXM2): 900 GB/s, tensor 125 TF, FP32 15.7 TF; 32 GB (a 16 GB model exists too)
-    (("V100",), GPUSpec("V100 SXM2", 900 * G, {"fp16": 125 * T, "fp32": 15.7 * T}, "NVIDIA V100 datasheet", 32 * GiB)),
-    # NVIDIA Ada whitepaper (RTX 4090): 1,008 GB/s, FP16/BF16 tensor with FP32 accumulate 165.2 TF, FP32 82.6 TF
-    (("4090",), GPUSpec("GeForce RTX 4090", 1008 * G, {"bf16": 165.2 * T, "fp16": 165.2 * T, "fp32": 82.6 * T},
-                        "NVIDIA Ada Lovelace architecture whitepaper", 24 * GiB)),
-    # NVIDIA Ampere GA102 whitepaper (RTX 3090): 936 GB/s, FP16 tensor with FP32 accumulate 71 TF, FP32 35.6 TF
+    (("V100",),
+     GPUSpec("V100 SXM2", 900 * G, {"fp16": 125 * T, "fp32": 15.7 * T}, "NVIDIA V100 datasheet", 32 * GiB)),
+    # NVIDIA Ada whitepaper (RTX 4090): 1,008 GB/s, FP16/BF16 tensor with FP32 accumulate 165.2 TF, FP32 82.6
+    # TF
+    (("4090",),
+     GPUSpec("GeForce RTX 4090", 1008 * G, {"bf16": 165.2 * T, "fp16": 165.2 * T, "fp32": 82.6 * T},
+             "NVIDIA Ada Lovelace architecture whitepaper", 24 * GiB)),
+    # NVIDIA Ampere GA102 whitepaper (RTX 3090): 936 GB/s, FP16 tensor with FP32 accumulate 71 TF, FP32 35.6
+    # TF
     (("3090",), GPUSpec("GeForce RTX 3090", 936 * G, {"bf16": 71 * T, "fp16": 71 * T, "fp32": 35.6 * T},
                         "NVIDIA Ampere GA102 whitepaper", 24 * GiB)),
     # NVIDIA Blackwell (GeForce RTX 5090) whitepaper: 1,792 GB/s, FP16/BF16 tensor FP32-accumulate 209.5 TF,
     # FP32 104.8 TF
-    (("5090",), GPUSpec("GeForce RTX 5090", 1792 * G, {"bf16": 209.5 * T, "fp16": 209.5 * T, "fp32": 104.8 * T},
-                        "NVIDIA RTX Blackwell GPU architecture whitepaper", 32 * GiB)),
+    (("5090",),
+     GPUSpec("GeForce RTX 5090", 1792 * G, {"bf16": 209.5 * T, "fp16": 209.5 * T, "fp32": 104.8 * T},
+             "NVIDIA RTX Blackwell GPU architecture whitepaper", 32 * GiB)),
     # NVIDIA RTX A6000 datasheet: 768 GB/s, tensor 309.7 TF sparse, FP32 38.7 TF
     (("A6000",), GPUSpec("RTX A6000", 768 * G, {"bf16": 154.8 * T, "fp16": 154.8 * T, "fp32": 38.7 * T},
                          "NVIDIA RTX A6000 datasheet", 48 * GiB)),
@@ -260,7 +269,8 @@ def describe_hardware(device: torch.device | str | None = None) -> HardwareInfo:
                             spec_flops=dict(spec.flops) if spec else None,
                             spec_source=spec.source if spec else None, nvml=nv,
                             extra={"compute_capability": f"{props.major}.{props.minor}",
-                                   "cuda": torch.version.cuda, "table_bandwidth": spec.bandwidth if spec else None})
+                                   "cuda": torch.version.cuda,
+                                   "table_bandwidth": spec.bandwidth if spec else None})
     if dev.type == "mps":
         # Apple publishes bandwidth per chip (M1 68 GB/s … M2 Ultra 800 GB/s), but torch does not say
         # which chip this is: the measured ceilings are what we use.
@@ -452,7 +462,8 @@ def measure_matmul_peak(device: torch.device | str | None = None, dtype: str | t
     """FLOP/s of an n×n×n matmul (2n³ FLOPs) in the model's dtype: the compute roof we can reach."""
     dev = pick_device(device)
     dt = parse_dtype(dtype)
-    n = int(n or (8192 if dev.type == "cuda" else 4096 if dev.type == "mps" else 2048))  # 1024 on a CPU varied ±10 % run to run
+    # 1024 on a CPU varied ±10 % run to run
+    n = int(n or (8192 if dev.type == "cuda" else 4096 if dev.type == "mps" else 2048))
     a = torch.randn(n, n, device=dev).to(dt)                                # [n, n]
     b = torch.randn(n, n, device=dev).to(dt)                                # [n, n]
     for _ in range(warmup):
@@ -460,7 +471,8 @@ def measure_matmul_peak(device: torch.device | str | None = None, dtype: str | t
     samples = [2 * n**3 / _time_s(lambda: a @ b, dev) for _ in range(repeats)]  # noqa: F821 (deleted below, after use)
     del a, b
     return Measurement(statistics.median(samples), "FLOP/s", samples,
-                       {"n": n, "dtype": dtype_name(dt), "repeats": repeats, "warmup": warmup, "device": str(dev)},
+                       {"n": n, "dtype": dtype_name(dt), "repeats": repeats, "warmup": warmup,
+                        "device": str(dev)},
                        f"{n}x{n} matmul in {dtype_name(dt)}")
 
 

@@ -34,5 +34,6 @@ class RunProvenance(Result):
     def here(model: str, dtype: str, device: str, hw: HardwareInfo, command: str) -> dict:
         """The provenance fields of a run on this machine, now, as keyword arguments."""
         import torch
-        return dict(model=model, dtype=dtype, device=device, hardware=hardware_dict(hw), host=socket.gethostname(),
+        return dict(model=model, dtype=dtype, device=device, hardware=hardware_dict(hw),
+                    host=socket.gethostname(),
                     torch_version=torch.__version__, python=platform.python_version(), command=command)

@@ -60,15 +60,16 @@ class LoadCheck:
         if not self.busy:
             return None
         return (f"this machine is busy: 1-minute load average {self.load1:.2f} on {self.cores} cores (above "
-                f"{self.threshold:g} × cores). Other programs compete for the CPU, so the numbers below will be "
-                f"slower and noisier than this machine can do. Close what you can and rerun before trusting them.")
+                f"{self.threshold:g} × cores). Other programs compete for the CPU, so the numbers below will "
+                "be slower and noisier than this machine can do. Close what you can and rerun before "
+                "trusting them.")
 
     def line(self) -> str:
         """One line for a notebook: the warning, or why the machine looks quiet."""
         if self.load1 is None:
             return "load average not available on this OS: watch for noisy rows instead"
-        return self.warning or (f"machine looks quiet: 1-minute load average {self.load1:.2f} on {self.cores} cores "
-                                f"(below {self.threshold:g} × cores)")
+        return self.warning or (f"machine looks quiet: 1-minute load average {self.load1:.2f} on "
+                                f"{self.cores} cores (below {self.threshold:g} × cores)")
 
 
 def machine_busy(threshold: float = LOAD_THRESHOLD, load1: float | None = None,

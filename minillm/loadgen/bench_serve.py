@@ -18,9 +18,10 @@ Flags carry the names of ``vllm bench serve`` (``--request-rate``, ``--burstines
   closed``, ``server error event``, ``timeout``, ...). A failure never crashes the run.
 
 Metrics are **not** computed here: every chunk's arrival time goes into a
-:class:`~minillm.metrics.definitions.ClientRecord`, and :func:`~minillm.metrics.definitions.client_request_metrics`
-+ :func:`~minillm.metrics.summary.summarize` (+ :class:`~minillm.metrics.summary.SLO` for goodput)
-turn them into the numbers, exactly as everywhere else in minillm.
+:class:`~minillm.metrics.definitions.ClientRecord`, and
+:func:`~minillm.metrics.definitions.client_request_metrics` + :func:`~minillm.metrics.summary.summarize` (+
+:class:`~minillm.metrics.summary.SLO` for goodput) turn them into the numbers, exactly as everywhere else in
+minillm.
 
 Where these numbers match vLLM's client and where they differ (read against
 ``vllm/benchmarks/lib/endpoint_request_func.py``, ``async_request_openai_completions`` and
@@ -134,7 +135,8 @@ class BenchConfig:
         if not self.goodput:
             return None
         g = self.goodput
-        return SLO(ttft_s=g["ttft"] / 1e3 if "ttft" in g else None, tpot_s=g["tpot"] / 1e3 if "tpot" in g else None,
+        return SLO(ttft_s=g["ttft"] / 1e3 if "ttft" in g else None,
+                   tpot_s=g["tpot"] / 1e3 if "tpot" in g else None,
                    e2e_s=g["e2el"] / 1e3 if "e2el" in g else None)
 
 
@@ -249,7 +251,7 @@ class BenchResult:
     summary: Summary
     percentiles: dict[str, dict[str, float]]     # metric → {"p50": ms, ...} (successful requests)
     started: str = ""
-    client_gc_ms: float = 0.0                    # garbage collection in the client's process during the timed run
+    client_gc_ms: float = 0.0                # garbage collection in the client's process during the timed run
     client_gc_collections: int = 0
 
     @property
@@ -278,10 +280,12 @@ class BenchResult:
         def rec(r: RequestRecord) -> dict[str, Any]:
             m = client_request_metrics(r.record)
             return {"index": r.index, "request_id": r.record.request_id, "server_id": r.server_id,
-                    "scheduled_s": r.scheduled_s, "send_lag_s": r.send_lag_s, "status": r.status, "ok": m.ok, "error": m.error,
+                    "scheduled_s": r.scheduled_s, "send_lag_s": r.send_lag_s, "status": r.status, "ok": m.ok,
+                    "error": m.error,
                     "input_len_target": r.input_len, "max_tokens": r.output_len, "usage": r.usage,
                     "prompt_tokens": m.prompt_tokens, "output_tokens": m.output_tokens,
-                    "finish_reason": r.finish_reason, "ttft_s": m.ttft_s, "tpot_s": m.tpot_s, "e2e_s": m.e2e_s,
+                    "finish_reason": r.finish_reason, "ttft_s": m.ttft_s, "tpot_s": m.tpot_s,
+                    "e2e_s": m.e2e_s,
                     "icl_s": m.itl_s, "t_sent_ns": r.record.t_sent_ns, "t_done_ns": r.record.t_done_ns,
                     "chunks": [[t, n, text] for t, n, text in r.record.chunks]}
         cfg = asdict(self.config)
@@ -293,7 +297,8 @@ class BenchResult:
         import httpx
         return {"tool": "minillm bench-serve", "started": self.started, "model": self.model, "config": cfg,
                 "command": " ".join(sys.argv), "versions": {"python": platform.python_version(),
-                                                            "httpx": httpx.__version__, "numpy": np.__version__},
+                                                            "httpx": httpx.__version__,
+                                                            "numpy": np.__version__},
                 "send_lag_max_ms": self.max_send_lag_ms,
                 "client_gc_ms": self.client_gc_ms, "client_gc_collections": self.client_gc_collections,
                 "summary": self.summary.to_dict(), "percentiles_ms": self.percentiles,
@@ -318,7 +323,8 @@ class BenchResult:
                   f"{'Warm-up requests (excluded):':<{w}}{len(self.warmup_records)}",
                   f"{'Max send lag (ms):':<{w}}{fmt(self.max_send_lag_ms)}  (sent after its due time)",
                   f"{'Client-process GC (ms):':<{w}}{self.client_gc_ms:.2f}  ({self.client_gc_collections} "
-                  f"collections in the client's process, a server sharing it included: they delay its timestamps)",
+                  "collections in the client's process, a server sharing it included: they delay its "
+                  "timestamps)",
                   f"{'Benchmark duration (s):':<{w}}{s.duration_s:.2f}",
                   f"{'Total input tokens:':<{w}}{s.input_tokens}",
                   f"{'Total generated tokens:':<{w}}{s.output_tokens}",
@@ -342,7 +348,8 @@ class BenchResult:
         d.mkdir(parents=True, exist_ok=True)
         name = filename or f"bench-serve-{self.model.replace('/', '_')}-{time.strftime('%Y%m%d-%H%M%S')}.json"
         p = d / name
-        p.write_text(json.dumps(self.to_dict(), indent=1, allow_nan=False, default=_json_default), encoding="utf-8")
+        p.write_text(json.dumps(self.to_dict(), indent=1, allow_nan=False, default=_json_default),
+                     encoding="utf-8")
         return p
 
 
@@ -354,7 +361,8 @@ def _json_default(x: Any) -> Any:
     return str(x)
 
 
-async def arun_bench(cfg: BenchConfig, transport=None, schedule: Sequence[float] | None = None) -> BenchResult:
+async def arun_bench(cfg: BenchConfig, transport=None,
+                     schedule: Sequence[float] | None = None) -> BenchResult:
     """Run the benchmark (see the module docstring). ``transport``: an httpx transport (tests)."""
     import httpx
     if cfg.endpoint.rstrip("/") not in ("/v1/completions", "/v1/chat/completions"):
@@ -369,7 +377,8 @@ async def arun_bench(cfg: BenchConfig, transport=None, schedule: Sequence[float]
     slo = cfg.slo()
     tok = load_count_tokenizer(cfg.tokenizer)
     reqs = sample_requests(cfg.num_prompts + cfg.warmup, cfg.dataset_name, cfg.random_input_len,
-                           cfg.random_output_len, cfg.random_range_ratio, cfg.lognormal_sigma, cfg.dataset_path,
+                           cfg.random_output_len, cfg.random_range_ratio, cfg.lognormal_sigma,
+                           cfg.dataset_path,
                            cfg.same_prompt, cfg.seed, tok, cfg.sharegpt_output_len, cfg.prompt_nonce)
     warm, reqs = reqs[:cfg.warmup], reqs[cfg.warmup:]
     sched = list(schedule) if schedule is not None else \
@@ -392,7 +401,8 @@ async def arun_bench(cfg: BenchConfig, transport=None, schedule: Sequence[float]
         kw["verify"] = ssl.create_default_context(cafile=certifi.where())
     async with contextlib.AsyncExitStack() as stack:
         clients = [await stack.enter_async_context(
-            httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(cfg.timeout_s), **kw)) for _ in range(n_clients)]
+            httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(cfg.timeout_s),
+                              **kw)) for _ in range(n_clients)]
         model = cfg.model or await first_model(clients[0], cfg.base_url, cfg.api_key)
         sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
         tag = os.urandom(3).hex()

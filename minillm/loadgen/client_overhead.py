@@ -53,7 +53,8 @@ def stub_app():
     async def models(request):
         return JSONResponse({"object": "list", "data": [{"id": "stub", "object": "model"}]})
 
-    return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]), Route("/v1/models", models)])
+    return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
+                             Route("/v1/models", models)])
 
 
 def _free_port() -> int:
@@ -73,7 +74,8 @@ class StubServer:
         code = ("import uvicorn; from minillm.loadgen.client_overhead import stub_app; "
                 f"uvicorn.run(stub_app(), host='127.0.0.1', port={self.port}, log_level='warning', "
                 "access_log=False)")
-        self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE)
         url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 30
         import httpx
@@ -119,11 +121,12 @@ class ClientOverhead:
 
     def table(self, target: float = 500.0) -> str:
         med = statistics.median(self.bench_serve_rps) if self.bench_serve_rps else math.nan
-        lines = [f"client overhead: {self.num_prompts} streamed requests per round, {self.max_concurrency} in flight, "
-                 f"stub server in its own process, {self.cores} cores shared",
+        lines = [f"client overhead: {self.num_prompts} streamed requests per round, {self.max_concurrency} "
+                 f"in flight, stub server in its own process, {self.cores} cores shared",
                  f"  bench-serve (this client) {self._spread(self.bench_serve_rps)}"
                  f"   failed per round: {self.bench_serve_failed}",
-                 f"  wrk (C client, the bound) {self._spread(self.wrk_rps) if self.wrk_rps else self.wrk_missing}"]
+                 "  wrk (C client, the bound) "
+                 f"{self._spread(self.wrk_rps) if self.wrk_rps else self.wrk_missing}"]
         r = self.ratio()
         if r is not None:
             lines.append(f"  bench-serve / wrk = {r:.2f}")
@@ -153,7 +156,8 @@ def _wrk_round(url: str, concurrency: int, duration_s: float) -> float | None:
         script = f.name
     try:
         out = subprocess.run([wrk, "-t1", f"-c{concurrency}", f"-d{duration_s:g}s", "-s", script,
-                              url + "/v1/completions"], capture_output=True, text=True, timeout=duration_s + 30).stdout
+                              url + "/v1/completions"], capture_output=True, text=True,
+                             timeout=duration_s + 30).stdout
     finally:
         os.unlink(script)
     for line in out.splitlines():

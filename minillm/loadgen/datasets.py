@@ -15,14 +15,25 @@ from minillm.loadgen.workload import LengthDist, gamma_arrivals
 
 # ---------------------------------------------------------------------------------------------
 # Workload
-_WORDS = ["the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "was", "with", "be", "by", "on", "not", "he", "this", "are", "or", "his", "from", "at", "which", "but", "have", "an", "they", "you", "were", "her", "she", "there", "one", "all", "we", "their", "been", "has", "when", "who", "will", "more", "no", "if", "out", "so", "said", "what", "up", "its", "about", "into", "than", "them", "can", "only", "other", "new", "some", "could", "time", "these", "two", "may", "then", "do", "first", "any", "my", "now", "such", "like", "our", "over", "man", "me", "even", "most", "made", "after", "also", "did", "many", "before", "must", "through", "back", "years", "where", "much", "your", "way", "well", "down", "should", "because", "each", "just", "those", "people", "how", "too", "little", "state", "good", "very", "make", "world", "still", "own", "see", "men", "work", "long", "get", "here", "between", "both", "life", "being", "under", "never", "day", "same", "another", "know", "while", "last", "might", "us", "great", "old", "year", "off", "come", "since", "against", "go", "came", "right", "used", "take", "three"]
+_WORDS = ["the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "was", "with", "be", "by", "on",
+          "not", "he", "this", "are", "or", "his", "from", "at", "which", "but", "have", "an", "they", "you",
+          "were", "her", "she", "there", "one", "all", "we", "their", "been", "has", "when", "who", "will",
+          "more", "no", "if", "out", "so", "said", "what", "up", "its", "about", "into", "than", "them",
+          "can", "only", "other", "new", "some", "could", "time", "these", "two", "may", "then", "do",
+          "first", "any", "my", "now", "such", "like", "our", "over", "man", "me", "even", "most", "made",
+          "after", "also", "did", "many", "before", "must", "through", "back", "years", "where", "much",
+          "your", "way", "well", "down", "should", "because", "each", "just", "those", "people", "how",
+          "too", "little", "state", "good", "very", "make", "world", "still", "own", "see", "men", "work",
+          "long", "get", "here", "between", "both", "life", "being", "under", "never", "day", "same",
+          "another", "know", "while", "last", "might", "us", "great", "old", "year", "off", "come", "since",
+          "against", "go", "came", "right", "used", "take", "three"]
 
 
 @dataclass
 class BenchRequest:
     prompt: str
     output_len: int
-    input_len: int                 # the target: tokens with --tokenizer, else words (usage says what was processed)
+    input_len: int           # the target: tokens with --tokenizer, else words (usage says what was processed)
 
 
 def _prompt(rng: np.random.Generator, n_words: int, unique: bool, prefix_rng: np.random.Generator) -> str:
@@ -124,7 +135,8 @@ def sample_requests(n: int, dataset: str = "random", input_len: int = 128, outpu
     if n < 0:
         raise ValueError(f"--num-prompts must be ≥ 0, got {n}")
     rng = np.random.default_rng(seed)
-    prefix_rng = np.random.default_rng([seed, nonce if nonce is not None else int.from_bytes(os.urandom(8), "little")])
+    prefix_rng = np.random.default_rng([seed,
+                                        nonce if nonce is not None else int.from_bytes(os.urandom(8), "little")])
     if dataset in ("jsonl", "sharegpt"):
         if dataset == "jsonl" and not dataset_path:
             raise ValueError("--dataset-name jsonl needs --dataset-path")
@@ -132,7 +144,8 @@ def sample_requests(n: int, dataset: str = "random", input_len: int = 128, outpu
             _sharegpt_rows(dataset_path or SHAREGPT_DEFAULT, tokenizer, sharegpt_output_len)
         order = rng.permutation(len(rows)) if dataset == "sharegpt" else np.arange(len(rows))
         reqs = [rows[order[i % len(rows)]] for i in range(n)]
-        return [BenchRequest(reqs[0].prompt, r.output_len, reqs[0].input_len) for r in reqs] if same_prompt else reqs
+        return [BenchRequest(reqs[0].prompt, r.output_len,
+                             reqs[0].input_len) for r in reqs] if same_prompt else reqs
     if dataset == "random":
         in_d, out_d = LengthDist.uniform(*range_bounds(input_len, range_ratio)), \
             LengthDist.uniform(*range_bounds(output_len, range_ratio))
@@ -153,7 +166,8 @@ def sample_requests(n: int, dataset: str = "random", input_len: int = 128, outpu
     return [BenchRequest(make(int(i), unique=True), int(o), int(i)) for i, o in zip(ins, outs)]
 
 
-def arrival_schedule(n: int, request_rate: float = math.inf, burstiness: float = 1.0, seed: int = 0) -> list[float]:
+def arrival_schedule(n: int, request_rate: float = math.inf, burstiness: float = 1.0,
+                     seed: int = 0) -> list[float]:
     """Send times (seconds after the start) of ``n`` requests, computed before anything is sent.
     ``inf``: all at 0. Otherwise Gamma gaps with shape ``burstiness`` and mean 1/rate
     (:func:`~minillm.loadgen.workload.gamma_arrivals`; burstiness 1 = Poisson)."""

@@ -128,7 +128,8 @@ def stream_completion(client, base_url: str, body: dict[str, Any], api_key: str 
     with client.stream("POST", _endpoint(base_url, chat), json=body, headers=_headers(api_key)) as r:
         if r.status_code != 200:
             r.read()
-            return col.result(r.status_code, now_ns(), error=r.text[:500], request_id=r.headers.get("x-request-id"))
+            return col.result(r.status_code, now_ns(), error=r.text[:500],
+                              request_id=r.headers.get("x-request-id"))
         for line in r.iter_lines():
             col.line(line, now_ns())
         return col.result(200, now_ns(), request_id=r.headers.get("x-request-id"))
@@ -199,9 +200,10 @@ def run_in_fresh_loop(make_coroutine, name: str):
 # The benchmark
 # ---------------------------------------------------------------------------------------------
 
-_LIFECYCLE_WORDS = ("the request enters the gateway then waits in the queue until the scheduler gives it a slot "
-          "prefill reads the whole prompt once and writes the cache decode then produces one token per "
-          "step for every running request while the server streams each piece of text back").split()
+_LIFECYCLE_WORDS = ("the request enters the gateway then waits in the queue until the scheduler gives it a "
+                    "slot prefill reads the whole prompt once and writes the cache decode then produces one "
+                    "token per step for every running request while the server streams each piece of text "
+                    "back").split()
 
 
 def make_text_prompts(tokenizer, n: int, prompt_tokens: int, seed: int = 0) -> list[str]:
@@ -298,9 +300,9 @@ class OverheadReport:
 
     def table(self) -> str:
         lines = [f"HTTP + SSE overhead — {self.model} {self.dtype} on {self.hardware}",
-                 f"{self.n_requests} requests per side (after {self.warmup} warm-up), one at a time, alternating; "
-                 f"prompt ≈ {self.prompt_tokens_mean:.0f} tokens, {self.max_tokens} output tokens; "
-                 f"server in a {self.mode}; {self.torch_threads} torch thread(s) per side",
+                 f"{self.n_requests} requests per side (after {self.warmup} warm-up), one at a time, "
+                 f"alternating; prompt ≈ {self.prompt_tokens_mean:.0f} tokens, {self.max_tokens} output "
+                 f"tokens; server in a {self.mode}; {self.torch_threads} torch thread(s) per side",
                  "",
                  f"{'':<8}{'in-process':>22}{'HTTP + SSE':>22}{'overhead':>22}{'HTTP / in-process':>22}",
                  f"{'(ms)':<8}" + f"{'p50':>11}{'p99':>11}" * 3 + f"{'p50':>11}{'p99':>11}"]
@@ -311,8 +313,8 @@ class OverheadReport:
         lines.append("")
         verdict = "meets" if self.meets_target else "MISSES"
         lines.append(f"target: TTFT overhead ≤ {self.target_p50_ms:g} ms at p50 on loopback → measured "
-                     f"{self.ttft.overhead_p50_ms:.3f} ms ({self.ttft.overhead_p50_ms / self.target_p50_ms:.2f} × the "
-                     f"target): {verdict} it")
+                     f"{self.ttft.overhead_p50_ms:.3f} ms "
+                     f"({self.ttft.overhead_p50_ms / self.target_p50_ms:.2f} × the target): {verdict} it")
         if self.ttft_split_ms:
             lines.append("")
             lines.append("HTTP TTFT by segment (server traces, one clock)        p50 ms     p99 ms")
@@ -379,7 +381,8 @@ def run_http_overhead(model: str = "tiny", device: str | None = "cpu", dtype: st
     key = "bench-" + os.urandom(8).hex()
     srv: Any
     if mode == "thread":
-        srv = ServerThread(ServerConfig(model=model, device=dev, dtype=dtype_name(llm.dtype), seed=seed, port=0,
+        srv = ServerThread(ServerConfig(model=model, device=dev, dtype=dtype_name(llm.dtype), seed=seed,
+                                        port=0,
                                         api_keys=[key], max_batch_size=max_batch_size,
                                         max_model_len=max_model_len, max_queue_depth=16)).start()
     else:
@@ -412,24 +415,28 @@ def run_http_overhead(model: str = "tiny", device: str | None = "cpu", dtype: st
                             raise RuntimeError(f"HTTP request failed: {res.status} {res.error}")
                         if i >= warmup:
                             http.append(res.record)
-            traces = {t.request_id: t for t in fetch_traces(srv.url, [r.request_id for r in http], key, client)}
+            traces = {t.request_id: t for t in fetch_traces(srv.url, [r.request_id for r in http], key,
+                                                            client)}
     finally:
         srv.stop()
 
     mi = [client_request_metrics(r) for r in inproc]
     mh = [client_request_metrics(r) for r in http]
     samples = {"ttft_inproc_s": [m.ttft_s for m in mi], "ttft_http_s": [m.ttft_s for m in mh],
-               "itl_inproc_s": [g for m in mi for g in m.itl_s], "itl_http_s": [g for m in mh for g in m.itl_s]}
+               "itl_inproc_s": [g for m in mi for g in m.itl_s],
+               "itl_http_s": [g for m in mh for g in m.itl_s]}
     cmd = command or "python -m minillm bench-http " + " ".join(shlex.quote(x) for x in sys.argv[1:])
     import fastapi
     import uvicorn
     return OverheadReport(
-        model=model, dtype=dtype_name(llm.dtype), device=dev, hardware=describe_hardware(llm.device).summary(),
+        model=model, dtype=dtype_name(llm.dtype), device=dev,
+        hardware=describe_hardware(llm.device).summary(),
         mode=mode, torch_threads=torch.get_num_threads(), n_requests=n_requests, warmup=warmup,
         prompt_tokens_mean=float(np.mean([r.prompt_tokens for r in inproc])), max_tokens=max_tokens,
         ttft=Compared.of("TTFT", samples["ttft_inproc_s"], samples["ttft_http_s"]),
         itl=Compared.of("ITL", samples["itl_inproc_s"], samples["itl_http_s"]),
         ttft_split_ms=ttft_split(http, traces), samples=samples,
         started=time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t_start)), command=cmd,
-        versions={"python": platform.python_version(), "torch": torch.__version__, "fastapi": fastapi.__version__,
+        versions={"python": platform.python_version(), "torch": torch.__version__,
+                  "fastapi": fastapi.__version__,
                   "uvicorn": uvicorn.__version__, "httpx": httpx.__version__})

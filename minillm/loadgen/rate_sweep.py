@@ -71,10 +71,12 @@ def sweep_row(res: BenchResult) -> dict[str, Any]:
 
 
 def sweep_table(rows: Sequence[dict[str, Any]]) -> str:
-    cols = [("offered_rate", "offered/s", "{:.2f}"), ("max_concurrency", "conc", "{}"), ("achieved_rate", "achieved/s", "{:.2f}"),
+    cols = [("offered_rate", "offered/s", "{:.2f}"), ("max_concurrency", "conc", "{}"),
+            ("achieved_rate", "achieved/s", "{:.2f}"),
             ("n_ok", "ok", "{}"), ("n_failed", "failed", "{}"), ("output_tok_s", "out tok/s", "{:.1f}"),
             ("ttft_p50_ms", "TTFT p50", "{:.1f}"), ("ttft_p99_ms", "TTFT p99", "{:.1f}"),
-            ("tpot_p50_ms", "TPOT p50", "{:.1f}"), ("itl_p99_ms", "ICL p99", "{:.1f}"), ("e2e_p99_ms", "E2E p99", "{:.1f}")]
+            ("tpot_p50_ms", "TPOT p50", "{:.1f}"), ("itl_p99_ms", "ICL p99", "{:.1f}"),
+            ("e2e_p99_ms", "E2E p99", "{:.1f}")]
 
     def cell(v, f):
         if v is None or (isinstance(v, float) and math.isnan(v)):

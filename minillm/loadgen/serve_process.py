@@ -21,7 +21,8 @@ class ServeProcess:
     """``with ServeProcess(["--model", "tiny"]) as srv:`` → ``srv.url``, ``srv.key``, ``srv.proc``."""
 
     def __init__(self, args: Sequence[str], api_key: str | None = None, port: int | None = None,
-                 torch_threads: int | None = None, auth: bool = True, stderr_path: str | Path | None = None) -> None:
+                 torch_threads: int | None = None, auth: bool = True,
+                 stderr_path: str | Path | None = None) -> None:
         """``auth=False``: an open server (no key); ``stderr_path``: the server's log goes to that file
         (else it is kept in a pipe, for the error message of a server that fails to start)."""
         # the server's own module imports fastapi: loaded only when a server is started
@@ -44,7 +45,8 @@ class ServeProcess:
             env.pop("MINILLM_API_KEY", None)
         if self.stderr_path is not None:
             with open(self.stderr_path, "w") as err:           # the child keeps its own copy of the file
-                self.proc = subprocess.Popen(self.cmd, env=env, stdout=subprocess.DEVNULL, stderr=err, text=True)
+                self.proc = subprocess.Popen(self.cmd, env=env, stdout=subprocess.DEVNULL, stderr=err,
+                                             text=True)
         else:
             self.proc = subprocess.Popen(self.cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                          text=True)

@@ -44,8 +44,8 @@ class ServerLoad(Result):
     trace_store_bytes: int = 0
 
     def table(self) -> str:
-        out = [f"serve --model {self.model}: wrk {self.wrk}, {self.connections} connections, {self.duration_s:g} s, "
-               f"max_tokens=1"]
+        out = [f"serve --model {self.model}: wrk {self.wrk}, {self.connections} connections, "
+               f"{self.duration_s:g} s, max_tokens=1"]
         if self.requests_per_s is not None:
             out.append(f"  {self.requests_per_s:.0f} requests/s; latency p50 {self.latency_p50_ms:.1f} ms, "
                        f"p99 {self.latency_p99_ms:.1f} ms; non-2xx {self.non_2xx}")
@@ -91,10 +91,12 @@ def _parse_wrk(text: str) -> tuple[float, float, float, int]:
 
 
 def run_server_load(model: str = "tiny", connections: int = 16, duration_s: float = 20, rounds: int = 3,
-                    trace_store_bytes: int = 64 << 20, port: int = 8765, torch_threads: int | None = None) -> ServerLoad:
+                    trace_store_bytes: int = 64 << 20, port: int = 8765,
+                    torch_threads: int | None = None) -> ServerLoad:
     wrk = shutil.which("wrk")
     res = ServerLoad(model, connections, duration_s, wrk, trace_store_bytes=trace_store_bytes)
-    srv = ServeProcess(["--model", model, "--log-level", "warning", "--trace-store-bytes", str(trace_store_bytes)],
+    srv = ServeProcess(["--model", model, "--log-level", "warning", "--trace-store-bytes",
+                        str(trace_store_bytes)],
                        port=port, torch_threads=torch_threads)
     with srv:
         url, key, pid = srv.url, srv.key, srv.proc.pid
@@ -107,7 +109,9 @@ def run_server_load(model: str = "tiny", connections: int = 16, duration_s: floa
             body = json.dumps({"prompt": "hello", "max_tokens": 1})
             with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
                 f.write(WRK_LUA % {"key": key, "body": body})
-            out = subprocess.run([wrk, "-t", "1", "-c", str(connections), "-d", f"{duration_s:g}s", "--latency",
-                                  "-s", f.name, url + "/v1/completions"], capture_output=True, text=True, check=True)
+            out = subprocess.run([wrk, "-t", "1", "-c", str(connections), "-d", f"{duration_s:g}s",
+                                  "--latency",
+                                  "-s", f.name, url + "/v1/completions"], capture_output=True, text=True,
+                                 check=True)
             res.requests_per_s, res.latency_p50_ms, res.latency_p99_ms, res.non_2xx = _parse_wrk(out.stdout)
     return res

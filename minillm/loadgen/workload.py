@@ -65,7 +65,8 @@ class LengthDist:
         if self.kind not in ("fixed", "uniform", "lognormal"):
             raise ValueError(f"unknown length distribution {self.kind!r}: fixed, uniform or lognormal")
         if not (isinstance(self.low, int) and isinstance(self.high, int) and 1 <= self.low <= self.high):
-            raise ValueError(f"length bounds must be integers with 1 ≤ low ≤ high, got {self.low}..{self.high}")
+            raise ValueError("length bounds must be integers with 1 ≤ low ≤ high, got "
+                             f"{self.low}..{self.high}")
         if self.kind == "lognormal" and not (self.median and self.median > 0 and self.sigma >= 0):
             raise ValueError("a lognormal length needs median > 0 and sigma ≥ 0")
 
@@ -219,7 +220,8 @@ def warm_up(llm, prompt_len: int = 64, max_tokens: int = 4, batch: int = 2) -> N
     """Run a few throwaway requests first (10.6): the first forward passes pay for memory
     allocation and kernel selection, which no later request pays again."""
     vocab = llm.engine.config.vocab_size
-    prompts = make_prompts(batch, LengthDist.fixed(min(prompt_len, llm.engine.max_model_len - max_tokens - 1)),
+    prompts = make_prompts(batch,
+                           LengthDist.fixed(min(prompt_len, llm.engine.max_model_len - max_tokens - 1)),
                            seed=12345, vocab_size=vocab)
     llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0))
 
@@ -376,7 +378,8 @@ def run_closed_loop(llm, requests: Sequence[WorkloadRequest], concurrency: int,
             send()
         while len(done) < len(reqs):
             if deadline is not None and now_ns() > deadline:
-                raise TimeoutError(f"closed loop did not finish within {timeout_s} s ({len(done)}/{len(reqs)} done)")
+                raise TimeoutError(f"closed loop did not finish within {timeout_s} s "
+                                   f"({len(done)}/{len(reqs)} done)")
             for out in engine.step():
                 if out.finished:
                     done[out.request_id] = engine.output_of(engine.pop_finished(out.request_id))
@@ -403,8 +406,8 @@ def completion_rate(metrics: Sequence[RequestMetrics]) -> float | None:
 @dataclass
 class ServiceRate:
     """What a closed-loop burst completed, per repeat: the engine's service rate for a workload."""
-    samples_rps: list[float]            # completion_rate of each repeat
-    output_tok_s: list[float]           # output tok/s of each repeat (window: first arrival → last completion)
+    samples_rps: list[float]           # completion_rate of each repeat
+    output_tok_s: list[float]          # output tok/s of each repeat (window: first arrival → last completion)
     concurrency: int
     n_requests: int
 
@@ -472,8 +475,8 @@ class RateCheck:
         growth = f"; median TTFT of the last third of arrivals ×{self.ttft_growth:.1f} that of the first third" \
             if self.ttft_growth else ""
         verdict = ("the engine kept up" if self.kept_up else
-                   "the engine did NOT keep up: requests arrived faster than it finished them, the queue grew "
-                   "through the run, and every latency of this run includes that backlog")
+                   "the engine did NOT keep up: requests arrived faster than it finished them, the queue "
+                   "grew through the run, and every latency of this run includes that backlog")
         return (f"offered {self.offered_rps:.2f} req/s (this draw: {self.arrived_rps:.2f}), achieved "
                 f"{self.achieved_rps:.2f} req/s completed ({100 * self.ratio:.0f} %){growth}: {verdict}")
 
@@ -485,7 +488,8 @@ def rate_check(result: WorkloadResult, offered_rps: float, tolerance: float = 0.
     arr = sorted(result.arrivals_s)
     arrived = (len(arr) - 1) / (arr[-1] - arr[0]) if len(arr) >= 2 and arr[-1] > arr[0] else None
     ms = result.metrics
-    by_arrival = [m for _, m in sorted(zip(result.arrivals_s, ms), key=lambda x: x[0]) if m.ok and m.ttft_s is not None]
+    by_arrival = [m for _, m in sorted(zip(result.arrivals_s, ms),
+                                       key=lambda x: x[0]) if m.ok and m.ttft_s is not None]
     third = len(by_arrival) // 3
     growth = None
     if third >= 1:

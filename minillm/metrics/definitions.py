@@ -18,9 +18,10 @@ The names mean what they mean in ``vllm bench serve``:
   client-side "ITL" is really ICL; guidellm and AIPerf call our TPOT "ITL". Compare tools
   only after checking which of the three a number is (chapter 10.6).
 * **Throughput** input and output tokens/s *separately* (a prefill-heavy and a decode-heavy
-  workload differ by orders of magnitude in tok/s), over the window first arrival → last
-  completion, as vLLM does; optionally a steady-state window beside it (:class:`~minillm.metrics.summary.SteadyWindow`).
-* **Goodput** requests/s that met every given SLO (:class:`~minillm.metrics.summary.SLO`), as vLLM's ``--goodput``.
+  workload differ by orders of magnitude in tok/s), over the window first arrival → last completion, as vLLM
+  does; optionally a steady-state window beside it (:class:`~minillm.metrics.summary.SteadyWindow`).
+* **Goodput** requests/s that met every given SLO (:class:`~minillm.metrics.summary.SLO`), as vLLM's
+  ``--goodput``.
 
 Statistics over many requests (distributions, percentiles, summaries, goodput) are in
 :mod:`minillm.metrics.summary`.

@@ -84,8 +84,8 @@ class Diagnosis:
     def text(self) -> str:
         lines = [f"verdict: {self.verdict}"]
         lines += [f"also: {f.headline}" for f in self.findings if f.fired and f.check != self.cause]
-        lines += ["", f"requests: {self.n_completed} completed, {self.n_failed} failed, {self.n_aborted} aborted "
-                      f"({self.n_traces} traces" + (f", {self.n_skipped} unreadable" if self.n_skipped else "")
+        lines += ["", f"requests: {self.n_completed} completed, {self.n_failed} failed, {self.n_aborted} "
+                      f"aborted ({self.n_traces} traces" + (f", {self.n_skipped} unreadable" if self.n_skipped else "")
                       + (f"; {self.n_steps} step records" if self.n_steps else "") + ")"]
         for f in self.findings:
             lines.append(f"{f.check}? {'YES' if f.fired else 'no'}")
@@ -161,7 +161,8 @@ def _queue_evidence(done: Sequence[RequestMetrics], by_id: dict[str, Trace],
     return lines
 
 
-def _prefill_evidence(done: Sequence[RequestMetrics], by_id: dict[str, Trace], tail_ids: list[str]) -> list[str]:
+def _prefill_evidence(done: Sequence[RequestMetrics], by_id: dict[str, Trace],
+                      tail_ids: list[str]) -> list[str]:
     prompts = sorted(m.prompt_tokens for m in done)
     by_rid = {m.request_id: m for m in done}
     tail = [by_rid[rid] for rid in tail_ids]
@@ -171,8 +172,8 @@ def _prefill_evidence(done: Sequence[RequestMetrics], by_id: dict[str, Trace], t
         ps = by_id[m.request_id].first("prefill_start")
         chunks = [e for e in by_id[m.request_id] if e.event == "prefill_chunk"]
         if ps is not None and "n_tokens" in ps.extra and int(ps.extra["n_tokens"]) > m.prompt_tokens:
-            lines.append(f"{m.request_id} shared its first prefill step: {ps.extra['n_tokens']} prompt tokens "
-                         f"in it, {m.prompt_tokens} of them its own")
+            lines.append(f"{m.request_id} shared its first prefill step: {ps.extra['n_tokens']} prompt "
+                         f"tokens in it, {m.prompt_tokens} of them its own")
         if len(chunks) > 1:
             lines.append(f"{m.request_id}'s prompt ran in {len(chunks)} chunks (chunked prefill)")
     return lines
@@ -198,15 +199,16 @@ def check_start(done: Sequence[RequestMetrics], s: Summary, by_id: dict[str, Tra
     by_tail = ratio >= th.tail_ratio
     by_wait = total > 0 and wait / total >= th.wait_share and wait >= th.wait_steps * scale
     lost = sum(max(0.0, m.ttft_s - s.ttft.p50) for m in with_bd)
-    evidence = [f"TTFT p50 {fmt_time(s.ttft.p50)}, p99 {fmt_time(s.ttft.p99)} ({ratio:.1f}× p50), max {fmt_time(s.ttft.max)} "
-                f"over {s.ttft.count} requests",
+    evidence = [f"TTFT p50 {fmt_time(s.ttft.p50)}, p99 {fmt_time(s.ttft.p99)} ({ratio:.1f}× p50), max "
+                f"{fmt_time(s.ttft.max)} over {s.ttft.count} requests",
                 _stage_line("p50 request", rid50, ttft_of[rid50], bd50),
                 _stage_line("p99 request", rid99, ttft_of[rid99], bd99)]
     if 1 < len(tail_ids) < len(with_bd):
-        evidence.append(f"the {len(tail_ids)} requests at or above p99: {fmt_pct(share)} of their TTFT in {stage}")
+        evidence.append(f"the {len(tail_ids)} requests at or above p99: {fmt_pct(share)} of their TTFT in "
+                        f"{stage}")
     if by_wait and not by_tail:
-        evidence.append(f"every request waits: the tail queued {fmt_time(wait)} ({fmt_pct(wait / total)} of its TTFT), "
-                        f"{ratio_or_inf(wait, scale):.0f} decode steps of {fmt_time(scale)}")
+        evidence.append(f"every request waits: the tail queued {fmt_time(wait)} ({fmt_pct(wait / total)} of "
+                        f"its TTFT), {ratio_or_inf(wait, scale):.0f} decode steps of {fmt_time(scale)}")
     if by_tail or by_wait:
         evidence.append(f"{stage}: {STAGE_HINT[stage]}")
         if stage == "queue":
@@ -217,7 +219,8 @@ def check_start(done: Sequence[RequestMetrics], s: Summary, by_id: dict[str, Tra
                    f"{START_LATE}: {stage} (p99 TTFT {fmt_time(s.ttft.p99)}, {fmt_pct(share)} of it {stage})",
                    lost, evidence,
                    {"ttft_p50_s": s.ttft.p50, "ttft_p99_s": s.ttft.p99, "ttft_ratio": ratio,
-                    "p50_request": rid50, "p99_request": rid99, "breakdown_p50_s": bd50, "breakdown_p99_s": bd99,
+                    "p50_request": rid50, "p99_request": rid99, "breakdown_p50_s": bd50,
+                    "breakdown_p99_s": bd99,
                     "tail_requests": tail_ids, "tail_breakdown_s": tail, "dominant_stage": stage,
                     "dominant_share": share, "queue_steps": ratio_or_inf(wait, scale)})
 
@@ -245,7 +248,8 @@ def host_device_split(steps: Sequence[StepRecord]) -> dict[str, Any]:
     device = sum(r.device_ms for r in steps) if events else sum(phases[p] for p in FORWARD_PHASES)
     host = max(0.0, wall - device)
     gc_ms = sum(r.gc_ms for r in steps)     # inside whichever phase it interrupted (a forward's, often)
-    return {"wall_ms": wall, "device_ms": device, "host_ms": host, "host_share": host / wall if wall > 0 else 0.0,
+    return {"wall_ms": wall, "device_ms": device, "host_ms": host,
+            "host_share": host / wall if wall > 0 else 0.0,
             "gc_ms": gc_ms,
             "device_from": "CUDA events" if events else "forward phases (no device timer)",
             "phase_share": {p: (v / wall if wall > 0 else 0.0) for p, v in phases.items()}}
@@ -280,13 +284,15 @@ def check_outside(done: Sequence[RequestMetrics], steps: Sequence[StepRecord], t
         split = host_device_split(steps)
         step_share = split["host_share"]
         shares = split["phase_share"]
-        host_phases = ", ".join(f"{p} {fmt_pct(shares[p])}" for p in sorted(OUTSIDE_PHASES, key=lambda p: -shares[p]))
-        evidence.append(f"steps: {fmt_pct(step_share)} of {len(steps)} steps' time on the host ({host_phases}); "
-                        f"device {split['device_ms']:.1f} ms of {split['wall_ms']:.1f} ms, from {split['device_from']}")
+        host_phases = ", ".join(f"{p} {fmt_pct(shares[p])}" for p in sorted(OUTSIDE_PHASES,
+                                                                            key=lambda p: -shares[p]))
+        evidence.append(f"steps: {fmt_pct(step_share)} of {len(steps)} steps' time on the host "
+                        f"({host_phases}); device {split['device_ms']:.1f} ms of {split['wall_ms']:.1f} ms, "
+                        f"from {split['device_from']}")
         if split["gc_ms"] > 0:
             evidence.append(f"garbage collection: {split['gc_ms']:.1f} ms inside the steps "
-                            f"({fmt_pct(split['gc_ms'] / split['wall_ms'] if split['wall_ms'] > 0 else 0.0)} of their time, "
-                            "counted in whichever phase it interrupted)")
+                            f"({fmt_pct(split['gc_ms'] / split['wall_ms'] if split['wall_ms'] > 0 else 0.0)} "
+                            "of their time, counted in whichever phase it interrupted)")
         numbers.update({f"steps_{k}": v for k, v in split.items()})
     else:
         evidence.append("no step records: the host/device split of the engine's steps is not known "
@@ -300,8 +306,8 @@ def check_outside(done: Sequence[RequestMetrics], steps: Sequence[StepRecord], t
         cause = "host phases"
     else:
         top = max(parts, key=parts.get) if parts else "-"
-        headline = (f"{OUTSIDE}: outside the engine ({fmt_pct(trace_share)} of the requests' time at the server; "
-                    f"most in {top})")
+        headline = (f"{OUTSIDE}: outside the engine ({fmt_pct(trace_share)} of the requests' time at the "
+                    f"server; most in {top})")
         cause = "outside the engine"
     if by_steps or by_trace:
         evidence.append("time outside the forward slows every request alike (10.5): fewer, fatter steps, "
@@ -348,9 +354,11 @@ def diagnose(traces: Any, steps: Any = None, thresholds: Thresholds | None = Non
         steps = window
     no_start = sum(tr.first("received") is None for tr in traces)
     if no_start:
-        notes.append(f"{no_start} trace(s) have no `received` event: their TTFT and E2E start at their first event")
+        notes.append(f"{no_start} trace(s) have no `received` event: their TTFT and E2E start at their first "
+                     "event")
     if len(done) < 100:
-        notes.append(f"{len(done)} completed requests: p99 is (close to) the maximum; read it as 'the slowest'")
+        notes.append(f"{len(done)} completed requests: p99 is (close to) the maximum; read it as 'the "
+                     "slowest'")
     by_id = {tr.request_id: tr for tr in traces}
     findings = [check_start(done, s, by_id, steps, th), check_stutter(done, s, traces, steps, th),
                 check_outside(done, steps, th)]

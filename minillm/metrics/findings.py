@@ -25,7 +25,8 @@ STAGE_HINT = {
     "queue": "it waited for a place in the running batch: a burst, or too little capacity "
              "(max_batch_size, replicas); admission control or chunked prefill shorten the wait (10.1, 10.4)",
     "prefill": "its own prompt's forward pass: a long prompt, or a prefill step shared with long prompts; "
-               "prefix caching helps repeated prefixes, chunked prefill protects the others, not this one (10.4)",
+               "prefix caching helps repeated prefixes, chunked prefill protects the others, not this one "
+               "(10.4)",
     "gateway": "the server's front end before the engine: auth, rate limits, admission (10.1)",
     "body": "receiving and parsing the request body (10.1, 10.5)",
     "tokenize": "tokenizing the prompt on the host (10.5)",

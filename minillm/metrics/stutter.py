@@ -63,7 +63,8 @@ def prefill_intervals(traces: Iterable[Trace]) -> list[_Interval]:
     for tr in traces:
         chunks = [e for e in tr if e.event == "prefill_chunk" and "t_start_ns" in e.extra]
         if chunks:
-            out += [_Interval(int(e.extra["t_start_ns"]), e.t_ns, tr.request_id, int(e.extra.get("tokens", 0)))
+            out += [_Interval(int(e.extra["t_start_ns"]), e.t_ns, tr.request_id,
+                              int(e.extra.get("tokens", 0)))
                     for e in chunks]
             continue
         ps, pe = tr.first("prefill_start"), tr.last("prefill_end")
@@ -95,7 +96,8 @@ def _gc_windows(rec: StepRecord) -> list[_Interval]:
     return out
 
 
-def _overlapping(ivs: Sequence[_Interval], starts: list[int], longest: int, t0: int, t1: int) -> list[_Interval]:
+def _overlapping(ivs: Sequence[_Interval], starts: list[int], longest: int, t0: int,
+                 t1: int) -> list[_Interval]:
     """Intervals with start < t1 and end > t0 (strict: touching at an end is not overlapping)."""
     lo = bisect_left(starts, t0 - longest)
     hi = bisect_left(starts, t1)
@@ -144,8 +146,8 @@ def check_stutter(done: Sequence[RequestMetrics], s: Summary, traces: Sequence[T
     cause = (PREFILL_CAUSE if long and n_pre >= th.prefill_share * len(long)
              else GC_CAUSE if long and gc_s >= th.gc_share * lost
              else NO_PREFILL_CAUSE if knows_prefills else "long gaps")
-    evidence = [f"ITL p50 {fmt_time(itl.p50)}, p99 {fmt_time(itl.p99)} ({ratio:.1f}× p50), max {fmt_time(itl.max)} "
-                f"over {itl.count} gaps",
+    evidence = [f"ITL p50 {fmt_time(itl.p50)}, p99 {fmt_time(itl.p99)} ({ratio:.1f}× p50), max "
+                f"{fmt_time(itl.max)} over {itl.count} gaps",
                 f"{len(long)} long gaps (≥ {th.long_gap_ratio:g}× p50 = {fmt_time(threshold)}) in "
                 f"{len({g.request_id for g in long})} of {len(done)} requests"]
     if long:
@@ -155,12 +157,14 @@ def check_stutter(done: Sequence[RequestMetrics], s: Summary, traces: Sequence[T
         worst = max(long, key=lambda g: g.gap_s)
         evidence.append(f"longest: {fmt_time(worst.gap_s)} in {worst.request_id} before token {worst.index}"
                         + (f", holding the prefill of {', '.join(worst.prefills[:3])}" if worst.prefills else "")
-                        + (f"; {worst.prefill_steps} step(s) with {worst.prefill_tokens} prefill tokens inside"
+                        + (f"; {worst.prefill_steps} step(s) with {worst.prefill_tokens} prefill tokens "
+                           "inside"
                            if worst.prefill_steps else ""))
     if gc_s > 0:
-        evidence.append(f"the garbage collector held the GIL for {fmt_time(gc_s)} of the long gaps' {fmt_time(lost)} beyond "
-                        f"p50 ({fmt_pct(ratio_or_inf(gc_s, lost))}; summed gap by gap, from the step records' gc_ms: "
-                        "an upper bound, since an operator already running in C++ goes on)")
+        evidence.append(f"the garbage collector held the GIL for {fmt_time(gc_s)} of the long gaps' "
+                        f"{fmt_time(lost)} beyond p50 ({fmt_pct(ratio_or_inf(gc_s, lost))}; summed gap by "
+                        "gap, from the step records' gc_ms: an upper bound, since an operator already "
+                        "running in C++ goes on)")
     if not knows_prefills:
         evidence.append("the traces have no prefill events and no step records were given: "
                         "what ran inside the gaps is unknown")
@@ -169,7 +173,8 @@ def check_stutter(done: Sequence[RequestMetrics], s: Summary, traces: Sequence[T
                         "into budget-sized chunks that share steps with the decodes (10.4)")
     elif cause == GC_CAUSE:
         evidence.append("a full garbage collection holds the GIL: the engine thread's Python stops mid-step; "
-                        "freezing the start-up heap (gc.freeze(), as `minillm serve` does) keeps it short (10.5)")
+                        "freezing the start-up heap (gc.freeze(), as `minillm serve` does) keeps it short "
+                        "(10.5)")
     elif long:
         evidence.append("the long gaps hold no prefill: look at the host (sampling, detokenizing, the "
                         "server's event loop, the garbage collector, other processes on the machine; 10.5)")

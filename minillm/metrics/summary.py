@@ -259,7 +259,8 @@ def summarize(metrics: Sequence[RequestMetrics], slo: SLO | None = None,
         s.steady_window_s = win
         s.steady_output_tok_s = _rate(sum(n for m in ok for t, n in m.deliveries if inside(t)), win)
         s.steady_input_tok_s = _rate(sum(m.prompt_tokens for m in ok
-                                         if m.t_first_token_ns is not None and inside(m.t_first_token_ns)), win)
+                                         if m.t_first_token_ns is not None and inside(m.t_first_token_ns)),
+                                     win)
         s.steady_requests_s = _rate(sum(inside(m.t_end_ns) for m in ok), win)
     return s
 

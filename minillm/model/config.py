@@ -41,11 +41,13 @@ class ModelConfig:
         problems = []
         if self.model_type not in ("llama", "qwen2"):
             problems.append(f"model_type must be 'llama' or 'qwen2', got {self.model_type!r}")
-        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
+        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                  "num_kv_heads"):
             if getattr(self, f) <= 0:
                 problems.append(f"{f} must be positive, got {getattr(self, f)}")
         if self.num_heads > 0 and self.num_kv_heads > 0 and self.num_heads % self.num_kv_heads:
-            problems.append(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+            problems.append(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                            f"({self.num_kv_heads})")
         if self.head_dim is None and self.num_heads > 0 and self.hidden_size % self.num_heads:
             problems.append(f"hidden_size ({self.hidden_size}) must divide by num_heads ({self.num_heads})")
         if problems:

@@ -22,7 +22,8 @@ from minillm.model.transformer import Transformer
 INIT_STD = 0.02   # GPT-2/Llama-style init: keeps a random twin's activations finite in fp16
 
 
-def empty_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, fused: bool = True) -> Transformer:
+def empty_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
+                fused: bool = True) -> Transformer:
     """Allocate (uninitialised) parameters directly on ``device`` in ``dtype``."""
     with torch.device("meta"):
         model = Transformer(cfg, fused=fused)
@@ -72,7 +73,8 @@ def resolve_checkpoint(name_or_path: str | Path) -> Path:
     p = Path(name_or_path).expanduser()
     if p.is_dir():
         if not (p / "config.json").exists():
-            raise FileNotFoundError(f"{p} is a directory but has no config.json: not a Hugging Face checkpoint")
+            raise FileNotFoundError(f"{p} is a directory but has no config.json: not a Hugging Face "
+                                    "checkpoint")
         return p
     if p.exists():
         raise ValueError(f"{p} is a file; give the checkpoint *directory* (the one holding config.json)")

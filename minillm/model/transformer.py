@@ -57,7 +57,8 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return torch.where(medium, blended, scaled).float()
 
 
-def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """The formula, for any positions (the model itself reads ``rope_table``'s rows instead)."""
     # positions: [...] ([B, T] or packed [N]) → cos, sin: [..., head_dim] (fp32, like HF, then cast)
     freqs = positions.float()[..., None] * inv_freq                    # [..., d/2]

@@ -74,22 +74,22 @@ class Bounds:
             if self.model_bytes > self.memory_bytes:
                 what = "the weights alone do not fit: a smaller dtype, a smaller model or more GPUs"
             else:
-                what = (f"at context {self.context} at most batch {self.max_batch_fit} fits; at batch {self.batch} "
-                        f"at most {self.max_context_fit} tokens of context")
-            return (f"{self.model} ({self.dtype}) on {self.gpu}: this configuration does not fit, so it has no "
-                    f"speed.\n{self.memory_line()}\n  what would fit: {what} (activations and headroom not counted)")
+                what = (f"at context {self.context} at most batch {self.max_batch_fit} fits; at batch "
+                        f"{self.batch} at most {self.max_context_fit} tokens of context")
+            return (f"{self.model} ({self.dtype}) on {self.gpu}: this configuration does not fit, so it has "
+                    f"no speed.\n{self.memory_line()}\n  what would fit: {what} (activations and headroom "
+                    "not counted)")
         bound = "compute" if self.t_compute_ms > self.t_mem_ms else "bandwidth"
         ckv = "never (KV traffic grows faster than compute)" if self.crossover_kv == float("inf") \
             else f"{self.crossover_kv:.0f}"
         return (f"{self.model} ({self.dtype}, {self.model_bytes / 1e9:.1f} GB) on {self.gpu} "
-                f"({self.bandwidth / 1e12:.2f} TB/s, {self.peak_flops / 1e12:.0f} TFLOP/s spec)\n"
-                f"  one request: ≤ {self.single_bound_tok_s:.0f} tok/s (BW ÷ model bytes)\n"
-                f"               ≤ {self.single_bound_kv_tok_s:.0f} tok/s for the bytes a step reads, W + L·k "
-                f"(input embedding: one row; L = {self.context})\n"
-                f"  batch {self.batch}: step ≥ {self.step_ms:.2f} ms ({bound}-bound: t_mem {self.t_mem_ms:.2f} ms, "
-                f"t_compute {self.t_compute_ms:.2f} ms) → ≤ {self.aggregate_bound_tok_s:.0f} tok/s in total\n"
-                f"  crossover B* ≈ {self.crossover:.0f} (no KV); with KV at L={self.context}: {ckv}\n"
-                f"{self.memory_line()}")
+                f"({self.bandwidth / 1e12:.2f} TB/s, {self.peak_flops / 1e12:.0f} TFLOP/s spec)\n  one "
+                f"request: ≤ {self.single_bound_tok_s:.0f} tok/s (BW ÷ model bytes)\n               ≤ "
+                f"{self.single_bound_kv_tok_s:.0f} tok/s for the bytes a step reads, W + L·k (input "
+                f"embedding: one row; L = {self.context})\n  batch {self.batch}: step ≥ {self.step_ms:.2f} "
+                f"ms ({bound}-bound: t_mem {self.t_mem_ms:.2f} ms, t_compute {self.t_compute_ms:.2f} ms) → ≤ "
+                f"{self.aggregate_bound_tok_s:.0f} tok/s in total\n  crossover B* ≈ {self.crossover:.0f} (no "
+                f"KV); with KV at L={self.context}: {ckv}\n{self.memory_line()}")
 
 
 def bounds(gpu: str, model: str, dtype: str = "bf16", batch: int = 1, context: int = 512) -> Bounds:

@@ -41,10 +41,12 @@ def prefill_bytes(cfg: ModelConfig, dtype_bytes_: int, tokens: int, start: int =
 
 
 def prefill_intensity(cfg: ModelConfig, dtype_bytes_: int, tokens: int, start: int = 0) -> float:
-    return rf.arithmetic_intensity(prefill_flops(cfg, tokens, start), prefill_bytes(cfg, dtype_bytes_, tokens, start))
+    return rf.arithmetic_intensity(prefill_flops(cfg, tokens, start),
+                                   prefill_bytes(cfg, dtype_bytes_, tokens, start))
 
 
-def prefill_ridge_length(cfg: ModelConfig, dtype_bytes_: int, ridge: float, max_tokens: int = 1 << 20) -> int | None:
+def prefill_ridge_length(cfg: ModelConfig, dtype_bytes_: int, ridge: float,
+                         max_tokens: int = 1 << 20) -> int | None:
     """The shortest prompt whose prefill intensity reaches the ridge point I* (the formula's
     answer to "when does prefill become compute-bound?"). None if not within max_tokens."""
     if prefill_intensity(cfg, dtype_bytes_, max_tokens) < ridge:
@@ -99,8 +101,10 @@ class Link:
 G = 1e9
 LINKS: dict[str, Link] = {
     # PCI-SIG PCIe 4.0 / 5.0 base specifications: 16 / 32 GT/s per lane, 128b/130b encoding, x16 link
-    "PCIe 4.0 x16": Link("PCIe 4.0 x16", 16e9 * 16 * 128 / 130 / 8, "PCI-SIG PCIe 4.0: 16 GT/s/lane, x16, 128b/130b"),
-    "PCIe 5.0 x16": Link("PCIe 5.0 x16", 32e9 * 16 * 128 / 130 / 8, "PCI-SIG PCIe 5.0: 32 GT/s/lane, x16, 128b/130b"),
+    "PCIe 4.0 x16": Link("PCIe 4.0 x16", 16e9 * 16 * 128 / 130 / 8,
+                         "PCI-SIG PCIe 4.0: 16 GT/s/lane, x16, 128b/130b"),
+    "PCIe 5.0 x16": Link("PCIe 5.0 x16", 32e9 * 16 * 128 / 130 / 8,
+                         "PCI-SIG PCIe 5.0: 32 GT/s/lane, x16, 128b/130b"),
     # NVIDIA H100 / H200 datasheets: "NVLink: 900 GB/s" (both directions together) for the SXM boards
     "NVLink 4 (H100/H200 SXM)": Link("NVLink 4 (H100/H200 SXM)", 450 * G,
                                      "NVIDIA H100/H200 datasheet: 900 GB/s bidirectional per GPU"),

@@ -167,7 +167,8 @@ def knee_fit(batches: list[int], step_times: list[float]) -> KneeFit:
         return KneeFit(None, cand, n, len(flat), fs, rs, overall, rms, flat_range)
     problems = []
     if fs is not None and fs > KNEE_MAX_FLAT_SLOPE:
-        problems.append(f"there is no flat part: below B ≈ {cand:.0f} the step time already grows as B^{fs:.2f}")
+        problems.append(f"there is no flat part: below B ≈ {cand:.0f} the step time already grows as "
+                        f"B^{fs:.2f}")
     if rs is None or rs < KNEE_MIN_RISING_SLOPE:
         problems.append(f"past B ≈ {cand:.0f} it grows as B^{rs if rs is not None else float('nan'):.2f}, "
                         f"not ∝ B as a compute-bound step would")

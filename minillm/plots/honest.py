@@ -147,7 +147,8 @@ def plot_report(result, report, title: str | None = None):
 
 
 def report_data(result, report) -> dict:
-    return {"report": report.to_dict(), "result": {k: v for k, v in result.to_dict().items() if k != "requests"}}
+    return {"report": report.to_dict(),
+            "result": {k: v for k, v in result.to_dict().items() if k != "requests"}}
 
 
 def save(fig, name: str, stamp: str, data: dict, out_dir: str | Path | None = None) -> list[Path]:

@@ -125,7 +125,8 @@ def event_table(trace: Any, max_tokens_shown: int | None = 3) -> list[dict[str, 
             folded[e.event] = folded.get(e.event, 0) + 1
             continue
         extra = ", ".join(f"{k}={v}" for k, v in e.extra.items())
-        rows.append({"event": e.event, "t_ms": (e.t_ns - t0) / 1e6, "since_previous_ms": (e.t_ns - t_prev) / 1e6,
+        rows.append({"event": e.event, "t_ms": (e.t_ns - t0) / 1e6,
+                     "since_previous_ms": (e.t_ns - t_prev) / 1e6,
                      "details": extra})
         t_prev = e.t_ns
     if folded:
@@ -169,7 +170,8 @@ def plot_request_timeline(trace: Any, ax=None, window_ms: tuple[float, float] | 
         ax.vlines(tok, y - 0.38, y + 0.38, color="k", lw=0.7, label="output token")
     if has_sent:
         sent = [(t - t0) / 1e6 for t in tr.times("sent")]
-        ax.vlines(sent, ypos["SSE chunks sent"] - 0.3, ypos["SSE chunks sent"] + 0.3, color=STAGE_COLORS["return"],
+        ax.vlines(sent, ypos["SSE chunks sent"] - 0.3, ypos["SSE chunks sent"] + 0.3,
+                  color=STAGE_COLORS["return"],
                   lw=0.7, label="SSE chunk sent")
     ax.set_yticks([ypos[n] for n in labels], labels)
     ax.set_xlim(x_lo, x_hi * 1.2 if window_ms is None else x_hi)
@@ -249,8 +251,8 @@ def request_timeline_figure(single: Any, concurrent: Iterable[Any], title: str |
     if conc:
         plot_concurrent_timeline(conc, ax_b, max_rows=32)
         shown = f" (the first {n_rows})" if n_rows < len(conc) else ""
-        ax_b.set_title(f"(b) {len(conc)} concurrent requests{shown}, one row each, in the order their bodies were "
-                       "received: waiting in the queue shows as red", fontsize=10, loc="left")
+        ax_b.set_title(f"(b) {len(conc)} concurrent requests{shown}, one row each, in the order their bodies "
+                       "were received: waiting in the queue shows as red", fontsize=10, loc="left")
     else:
         ax_b.set_visible(False)
     handles = [Patch(color=STAGE_COLORS[s], label=s) for s in STAGE_ORDER]
@@ -267,7 +269,8 @@ def timeline_stamp(hardware: str, model: str, dtype: str, detail: str = "") -> s
             f"minillm serve over HTTP on loopback{'; ' + detail if detail else ''}")
 
 
-def save_request_timeline(single: Any, concurrent: Iterable[Any], stamp: str, out_dir: str | Path | None = None,
+def save_request_timeline(single: Any, concurrent: Iterable[Any], stamp: str,
+                          out_dir: str | Path | None = None,
                           name: str = "10-1-request-timeline") -> list[Path]:
     """Draw and save figure 10-1 (PNG + SVG) through :func:`minillm.plots.figures.save_figure`."""
     import matplotlib.pyplot as plt  # any backend saves a file; the caller's backend is left alone
@@ -275,7 +278,8 @@ def save_request_timeline(single: Any, concurrent: Iterable[Any], stamp: str, ou
     from minillm.plots.figures import save_figure
     concurrent = list(concurrent)
     fig = request_timeline_figure(single, concurrent)
-    data = {"single": as_trace(single).to_records(), "concurrent": [as_trace(t).to_records() for t in concurrent]}
+    data = {"single": as_trace(single).to_records(),
+            "concurrent": [as_trace(t).to_records() for t in concurrent]}
     try:
         return save_figure(fig, name, stamp, out_dir, data=data)
     finally:

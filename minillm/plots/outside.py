@@ -47,7 +47,8 @@ def plot_step_phases(cases, references=None, reference_label: str = "reference",
         if c.noisy:        # the step times spread widely: something else ran (minillm.hardware.quiet)
             ax.bar([x], [1.0], width=0.62, fill=False, edgecolor="red", linewidth=1.6, hatch="//")
             ax.text(x, 0.5, f"noisy\n×{c.spread:.1f}", ha="center", va="center", fontsize=8, color="red",
-                    fontweight="bold", bbox={"facecolor": "white", "edgecolor": "red", "alpha": 0.85, "pad": 1})
+                    fontweight="bold",
+                    bbox={"facecolor": "white", "edgecolor": "red", "alpha": 0.85, "pad": 1})
     ax.axhline(line, color="black", ls="--", lw=1.2)
     ax.text(-0.45, line + 0.005, f"chapter: about {100 * line:.0f} % outside the forward", va="bottom",
             ha="left", fontsize=8, bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 1})
@@ -59,7 +60,8 @@ def plot_step_phases(cases, references=None, reference_label: str = "reference",
     handles, labels = ax.get_legend_handles_labels()
     ax.legend(handles[::-1], labels[::-1], loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8,
               title="phase (top to bottom)", title_fontsize=8)
-    ax.set_title(title or "Where a decode step's time goes (engine StepRecords, mean over steps)", fontsize=10)
+    ax.set_title(title or "Where a decode step's time goes (engine StepRecords, mean over steps)",
+                 fontsize=10)
     fig.tight_layout()
     return fig
 
@@ -88,7 +90,8 @@ def plot_sampling_cost(bench, step_ms: dict[str, float] | None = None, title: st
                 bad = [(B, r.ms_median) for B in b.batches if (r := b.get(m, B, V, impl)) is not None
                        and (sp := spread(r.ms)) is not None and sp > NOISY_SPREAD]
                 if bad:          # repeats that spread widely: ringed in red (minillm.hardware.quiet)
-                    ax.scatter([q[0] for q in bad], [q[1] for q in bad], s=90, facecolors="none", edgecolors="red",
+                    ax.scatter([q[0] for q in bad], [q[1] for q in bad], s=90, facecolors="none",
+                               edgecolors="red",
                                linewidths=1.3, zorder=5)
                     noisy_any = True
         for i, (lab, ms) in enumerate((step_ms or {}).items()):
@@ -107,8 +110,8 @@ def plot_sampling_cost(bench, step_ms: dict[str, float] | None = None, title: st
         handles.append(Line2D([], [], ls="", marker="o", mfc="none", mec="red", ms=9))
         labels.append(f"noisy: repeats spread > ×{NOISY_SPREAD:g} (p90/p10)")
     fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
-    fig.suptitle(title or f"Sampling cost per step: batched sampler (solid) vs the per-row loop before it (dashed); "
-                 f"{b.logits_dtype} logits on {b.device}", fontsize=10)
+    fig.suptitle(title or "Sampling cost per step: batched sampler (solid) vs the per-row loop before it "
+                          f"(dashed); {b.logits_dtype} logits on {b.device}", fontsize=10)
     fig.tight_layout()
     return fig
 

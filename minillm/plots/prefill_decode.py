@@ -66,12 +66,17 @@ def plot_roofline_prefill_decode(result: dict, references: list[dict] | None = N
     _roof(ax, bw, peak, x0, x1, color="k", lw=1.6,
           label=f"roofline: min(peak, I × BW); BW {bw / 1e9:.1f} GB/s "
                 + ("(read)" if res["ceilings"].get("bandwidth_kind") == "read" else "(copy, read + write)") + ", "
-                f"peak {peak / 1e9:.0f} GFLOP/s (matmul)")
-    ax.axvline(i_star, color="tab:red", ls=":", lw=1, label=f"ridge point I* = peak / BW = {i_star:.1f} FLOP/byte")
+                                                                                                              "peak "
+                                                                                                              f"{peak / 1e9:.0f} "
+                                                                                                              "GFLOP/s "
+                                                                                                              "(matmul)")
+    ax.axvline(i_star, color="tab:red", ls=":", lw=1,
+               label=f"ridge point I* = peak / BW = {i_star:.1f} FLOP/byte")
     ax.annotate(f"I* = {i_star:.1f}", (i_star, peak), xytext=(4, 6), textcoords="offset points", fontsize=8,
                 color="tab:red")
     ax.plot([r["intensity"] for r in dec], [r["achieved_flops"] for r in dec], "o-", color=DECODE_C,
-            label=f"decode steps, batch {dec[0]['batch']}–{dec[-1]['batch']} (context {res['decode_context']})"
+            label=f"decode steps, batch {dec[0]['batch']}–{dec[-1]['batch']} (context "
+                  f"{res['decode_context']})"
             if dec else "decode")
     ax.plot([r["intensity"] for r in pre], [r["achieved_flops"] for r in pre], "s-", color=PREFILL_C,
             label=f"prefill, prompt {pre[0]['tokens']}–{pre[-1]['tokens']} tokens" if pre else "prefill")
@@ -82,7 +87,8 @@ def plot_roofline_prefill_decode(result: dict, references: list[dict] | None = N
                             xytext=(4, -10 if pre_ == "B=" else 4), textcoords="offset points")
     noisy = [r for r in pre + dec if too_wide(r.get("time_ms_p10"), r.get("time_ms_p90"))]
     if noisy:        # samples that spread widely: something else ran (minillm.hardware.quiet)
-        ax.scatter([r["intensity"] for r in noisy], [r["achieved_flops"] for r in noisy], s=150, facecolors="none",
+        ax.scatter([r["intensity"] for r in noisy], [r["achieved_flops"] for r in noisy], s=150,
+                   facecolors="none",
                    edgecolors="red", linewidths=1.4, zorder=5,
                    label=f"noisy: samples spread > ×{NOISY_SPREAD:g} (p90/p10): rerun")
     ax.set_xscale("log")
@@ -102,12 +108,15 @@ def plot_roofline_prefill_decode(result: dict, references: list[dict] | None = N
     ax2.plot([r["tokens"] for r in dec], [r["ms_per_token"] for r in dec], "o-", color=DECODE_C,
              label="decode: step time / B (B = batch)")
     for ref in refs:
-        ax2.plot([r["tokens"] for r in _ok(ref["prefill"])], [r["ms_per_token"] for r in _ok(ref["prefill"])], "s--",
+        ax2.plot([r["tokens"] for r in _ok(ref["prefill"])],
+                 [r["ms_per_token"] for r in _ok(ref["prefill"])], "s--",
                  color=REF_C, mfc="none", alpha=0.6, ms=4, label=f"reference prefill ({ref['model']})")
-        ax2.plot([r["tokens"] for r in _ok(ref["decode"])], [r["ms_per_token"] for r in _ok(ref["decode"])], "o--",
+        ax2.plot([r["tokens"] for r in _ok(ref["decode"])], [r["ms_per_token"] for r in _ok(ref["decode"])],
+                 "o--",
                  color=REF_C, mfc="none", alpha=0.6, ms=4, label=f"reference decode ({ref['model']})")
     if noisy:
-        ax2.scatter([r["tokens"] for r in noisy], [r["ms_per_token"] for r in noisy], s=150, facecolors="none",
+        ax2.scatter([r["tokens"] for r in noisy], [r["ms_per_token"] for r in noisy], s=150,
+                    facecolors="none",
                     edgecolors="red", linewidths=1.4, zorder=5, label="noisy (as on the left)")
     if pre or dec:
         from minillm.model.config import ModelConfig
@@ -115,8 +124,9 @@ def plot_roofline_prefill_decode(result: dict, references: list[dict] | None = N
         ax2.axhline(2 * body / peak * 1e3, color="tab:red", ls="-.", lw=1, alpha=0.7,
                     label="compute floor per token: 2·P_body / peak")
     ratio = cost_ratio(res)
-    sub = (f"\none batch-1 decode token costs as much time as {ratio['decode_b1_over_prefill']:.0f} prefill tokens "
-           f"(T={ratio['prefill_tokens']}); at batch {ratio['batch']}: {ratio['decode_bmax_over_prefill']:.1f}"
+    sub = (f"\none batch-1 decode token costs as much time as {ratio['decode_b1_over_prefill']:.0f} prefill "
+           f"tokens (T={ratio['prefill_tokens']}); at batch {ratio['batch']}: "
+           f"{ratio['decode_bmax_over_prefill']:.1f}"
            if ratio else "")
     ax2.set_xscale("log", base=2)
     ax2.set_yscale("log")
@@ -154,12 +164,14 @@ def plot_stall_rasters(runs: list[dict], measured_prefill_ms: float | None = Non
             i = run["short_ids"].index(g["request_id"])
             t = run["tokens_ms"][g["request_id"]]
             a, b = t[g["index"] - 1], t[g["index"]]
-            ax.annotate("", (a, i - 0.45), (b, i - 0.45), arrowprops=dict(arrowstyle="<->", color="tab:red", lw=1))
-            msg = (f"gap {g['gap_ms']:.0f} ms (the longest of {len(run['stalled'])} gaps that hold the whole prefill);\n"
-                   f"the prefill itself: {run['long_prefill_ms']:.0f} ms in the trace")
+            ax.annotate("", (a, i - 0.45), (b, i - 0.45),
+                        arrowprops=dict(arrowstyle="<->", color="tab:red", lw=1))
+            msg = (f"gap {g['gap_ms']:.0f} ms (the longest of {len(run['stalled'])} gaps that hold the whole "
+                   f"prefill);\nthe prefill itself: {run['long_prefill_ms']:.0f} ms in the trace")
             if measured_prefill_ms:
                 msg += f", {measured_prefill_ms:.0f} ms forward in the prefill sweep"
-            ax.text(0.99, 0.02, msg, transform=ax.transAxes, fontsize=7, ha="right", va="bottom", color="tab:red",
+            ax.text(0.99, 0.02, msg, transform=ax.transAxes, fontsize=7, ha="right", va="bottom",
+                    color="tab:red",
                     bbox=dict(facecolor="white", edgecolor="none", alpha=0.85))
         else:
             ax.text(0.99, 0.02, f"{len(run['chunks'])} chunks; no decoder gap holds the whole prefill;\n"
@@ -199,9 +211,11 @@ def plot_chunk_tradeoff(tradeoff: dict, slo_ms: float | None = None):
             ax.text(0.02, 0.97, f"p99 crosses the SLO at a budget ≈ {x:.0f} tokens", transform=ax.transAxes,
                     fontsize=7, va="top")
         elif all(r["itl_p99_ms"] <= slo_ms for r in runs):
-            ax.text(0.02, 0.97, "p99 within the SLO at every budget", transform=ax.transAxes, fontsize=7, va="top")
+            ax.text(0.02, 0.97, "p99 within the SLO at every budget", transform=ax.transAxes, fontsize=7,
+                    va="top")
         else:
-            ax.text(0.02, 0.97, "p99 over the SLO at every budget", transform=ax.transAxes, fontsize=7, va="top")
+            ax.text(0.02, 0.97, "p99 over the SLO at every budget", transform=ax.transAxes, fontsize=7,
+                    va="top")
     ax.set_yscale("log")
     ax.set_ylabel("ms")
     ax.set_title("Decoders' inter-token latency", fontsize=10)

@@ -41,7 +41,8 @@ def plot_roofline(result: dict, references: list[dict] | None = None, ax=None):
             label=f"B × BW / bytes a step reads (weights + KV at L={L})")
     # what each request can get: the shared step time bounds every request in the batch
     ax.plot(grid, [min(bw / rf.decode_step_bytes(cfg, nbytes, b, L), peak / rf.decode_step_flops(cfg, b, L))
-                   for b in grid], "--", color="tab:orange", alpha=0.5, label="per-request bound (step time ≥ max(t_mem, t_compute))")
+                   for b in grid], "--", color="tab:orange", alpha=0.5,
+            label="per-request bound (step time ≥ max(t_mem, t_compute))")
     compute = [peak / (rf.decode_step_flops(cfg, b, L) / b) for b in grid]
     ax.plot(grid, compute, "-.", color="tab:red", alpha=0.7, label="compute roof (peak / FLOPs per token)")
 
@@ -66,7 +67,8 @@ def plot_roofline(result: dict, references: list[dict] | None = None, ax=None):
                    label=f"noisy: step times spread > ×{NOISY_SPREAD:g} (p90/p10): rerun")
     served = [b for b in ok if b.get("served_aggregate_tok_s")]
     if served:   # the same engine step as serving runs it: mixed lengths, scattered slots (a gather)
-        ax.plot([b["batch"] for b in served], [b["served_aggregate_tok_s"] for b in served], "^:", color="tab:green",
+        ax.plot([b["batch"] for b in served], [b["served_aggregate_tok_s"] for b in served], "^:",
+                color="tab:green",
                 ms=5, label="served: engine step, lengths L/2–3L/2, scattered slots (aggregate)")
     for b in result["batches"]:
         if b["status"] != "ok":
@@ -81,9 +83,11 @@ def plot_roofline(result: dict, references: list[dict] | None = None, ax=None):
     # the knee from the data drawn, by the one definition (an older file's stored knee may predate it)
     fit = rf.knee_fit([b["batch"] for b in ok], [b["forward_ms_median"] for b in ok])
     if fit.knee:
-        ax.axvline(fit.knee, color="tab:blue", lw=0.9, ls="--", alpha=0.6, label=f"measured knee ≈ {fit.knee:.0f}")
+        ax.axvline(fit.knee, color="tab:blue", lw=0.9, ls="--", alpha=0.6,
+                   label=f"measured knee ≈ {fit.knee:.0f}")
     elif fit.candidate and not fit.reason.startswith("no knee in this range"):
-        ax.plot([], [], " ", label="measured knee: none (the step times do not have\nthe roofline's flat-then-∝B shape)")
+        ax.plot([], [], " ",
+                label="measured knee: none (the step times do not have\nthe roofline's flat-then-∝B shape)")
     else:
         ax.plot([], [], " ", label="measured knee: none in this range")
     ax.set_xlabel("batch size (concurrent decoding requests)")
@@ -106,10 +110,11 @@ def _bw_kind(result: dict) -> str:
 
 def stamp_of(result: dict) -> str:
     hw = result.get("hardware", {})
-    return (f"measured {result.get('started', '')} on {hw.get('summary') or hw.get('name') or result['device']}; "
-            f"model {result['model']} {result['dtype']}; {rf.path_line(result.get('matmul'), result.get('cuda_graphs'))}; "
-            f"{rf.ceilings_line(result['ceilings'])}; "
-            f"torch {result['torch_version']}; {result.get('command', '')}")
+    return (f"measured {result.get('started', '')} on "
+            f"{hw.get('summary') or hw.get('name') or result['device']}; model {result['model']} "
+            f"{result['dtype']}; {rf.path_line(result.get('matmul'), result.get('cuda_graphs'))}; "
+            f"{rf.ceilings_line(result['ceilings'])}; torch {result['torch_version']}; "
+            f"{result.get('command', '')}")
 
 
 def save_roofline_figure(result: dict, references: list[dict] | None = None,

@@ -127,7 +127,8 @@ def create_app(config: ServerConfig | ServingState | None = None, *, llm=None):
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, e: Exception):
         log.exception("unhandled error on %s", request.url.path)
-        return error_response(GatewayError(500, "internal_error", f"Internal server error ({type(e).__name__})."))
+        return error_response(GatewayError(500, "internal_error",
+                                           f"Internal server error ({type(e).__name__})."))
 
     @app.get("/health", responses={503: {"description": "draining (shutting down) or stopped",
                                          "content": {"application/json": {"schema": {
@@ -148,7 +149,8 @@ def create_app(config: ServerConfig | ServingState | None = None, *, llm=None):
     def model_card() -> dict:
         # vLLM's fields: `root` (the weights it serves) and `parent` (None: not a LoRA adapter)
         return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "minillm",
-                "root": str(state.config.engine.model), "parent": None, "max_model_len": state.engine.max_model_len}
+                "root": str(state.config.engine.model), "parent": None,
+                "max_model_len": state.engine.max_model_len}
 
     @app.get("/v1/server-info", responses=error_responses(401))
     async def server_info(request: Request):
@@ -166,7 +168,8 @@ def create_app(config: ServerConfig | ServingState | None = None, *, llm=None):
     async def model(model_id: str, request: Request):
         state.auth.check(request.headers.get("authorization"))
         if model_id != state.model_name:
-            raise GatewayError(404, "model_not_found", f"The model '{model_id[:100]}' does not exist.", param="model")
+            raise GatewayError(404, "model_not_found", f"The model '{model_id[:100]}' does not exist.",
+                               param="model")
         return model_card()
 
     async def json_body(request: Request) -> dict:
@@ -184,7 +187,8 @@ def create_app(config: ServerConfig | ServingState | None = None, *, llm=None):
             raise GatewayError(400, "invalid_request", "The request body must be a JSON object.")
         return body
 
-    @app.post("/tokenize", openapi_extra=request_body(TokenizeBody), responses=error_responses(400, 401, 404, 413, 415))
+    @app.post("/tokenize", openapi_extra=request_body(TokenizeBody),
+              responses=error_responses(400, 401, 404, 413, 415))
     async def tokenize(request: Request):
         """vLLM's /tokenize: ``{"prompt": ...}`` or ``{"messages": [...]}`` → ``{"count", "max_model_len",
         "tokens"}``. The same tokenizer and chat template as a completion."""
@@ -196,7 +200,8 @@ def create_app(config: ServerConfig | ServingState | None = None, *, llm=None):
     detokenize_body["requestBody"]["content"]["application/json"]["schema"]["properties"]["tokens"]["items"].update(
         minimum=0, maximum=state.engine.config.vocab_size - 1)
 
-    @app.post("/detokenize", openapi_extra=detokenize_body, responses=error_responses(400, 401, 404, 413, 415))
+    @app.post("/detokenize", openapi_extra=detokenize_body,
+              responses=error_responses(400, 401, 404, 413, 415))
     async def detokenize(request: Request):
         """vLLM's /detokenize: ``{"tokens": [ids]}`` → ``{"prompt": text}``."""
         state.auth.check(request.headers.get("authorization"))
@@ -319,14 +324,18 @@ def create_app(config: ServerConfig | ServingState | None = None, *, llm=None):
     # one server-sent event: `data` is a JSON chunk (or an error object), the last one "[DONE]"
     SSE_EVENT_SCHEMA = {"type": "object", "required": ["data"],
                         "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
-    streamed = {**completion_errors, 200: {"content": {"application/json": {}, "text/event-stream": {"schema": SSE_EVENT_SCHEMA}},
-                      "description": "a completion (JSON), or with `stream: true` its chunks (server-sent events)"}}
+    streamed = {**completion_errors,
+                200: {"content": {"application/json": {}, "text/event-stream": {"schema": SSE_EVENT_SCHEMA}},
+ "description": "a completion (JSON), or with `stream: true` its chunks (server-sent "
+                "events)"}}
 
-    @app.post("/v1/completions", openapi_extra=request_body(CompletionBody, neutral_only=True), responses=streamed)
+    @app.post("/v1/completions", openapi_extra=request_body(CompletionBody, neutral_only=True),
+              responses=streamed)
     async def completions(request: Request):
         return await handle(request, chat=False)
 
-    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionBody, neutral_only=True), responses=streamed)
+    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionBody, neutral_only=True),
+              responses=streamed)
     async def chat_completions(request: Request):
         return await handle(request, chat=True)
 

@@ -42,11 +42,14 @@ class _ServerOptions:
     torch_threads: int | None = None
     # Receiving a request (serving/guard.py): strangers must not hold connections by sending
     # slowly or never finishing. The deadlines cover receiving the request, not the response.
-    header_timeout_s: float = 10.0     # connection open (or a next request's 1st byte) → headers complete, else 408 + close
+    # connection open (or a next request's 1st byte) → headers complete, else 408 + close
+    header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0       # headers complete → body complete, else 408 + close
     max_header_bytes: int = 64 * 1024  # a larger request head: 431 + close
-    max_connections: int | None = 1024  # connections served at once; a request on one more gets 503 (None: no limit)
-    keep_alive_timeout_s: float = 5.0  # an idle kept-alive connection is closed after this (uvicorn's timeout_keep_alive)
+    # connections served at once; a request on one more gets 503 (None: no limit)
+    max_connections: int | None = 1024
+    # an idle kept-alive connection is closed after this (uvicorn's timeout_keep_alive)
+    keep_alive_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.max_queue_depth < 1:
@@ -61,7 +64,8 @@ class _ServerOptions:
             raise ValueError(f"port must be in 0..65535 (0: any free port), got {self.port}")
         if not isinstance(self.shutdown_timeout_s, (int, float)) or isinstance(self.shutdown_timeout_s, bool) \
                 or not 0 <= self.shutdown_timeout_s < float("inf"):
-            raise ValueError(f"shutdown_timeout_s must be a number of seconds ≥ 0, got {self.shutdown_timeout_s!r}")
+            raise ValueError("shutdown_timeout_s must be a number of seconds ≥ 0, got "
+                             f"{self.shutdown_timeout_s!r}")
         for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
@@ -117,7 +121,8 @@ def config_from_args(a, engine: EngineConfig | None = None) -> ServerConfig:
                         requests_per_s=opt("requests_per_s"), tokens_per_min=opt("tokens_per_min"),
                         burst=opt("burst"), max_queue_depth=opt("max_queue_depth", 256),
                         log_level=opt("log_level", "info"),
-                        header_timeout_s=opt("header_timeout_s", 10.0), body_timeout_s=opt("body_timeout_s", 30.0),
+                        header_timeout_s=opt("header_timeout_s", 10.0),
+                        body_timeout_s=opt("body_timeout_s", 30.0),
                         max_header_bytes=opt("max_header_bytes", 64 * 1024),
                         max_connections=opt("max_connections", 1024) or None,      # 0: no limit
                         keep_alive_timeout_s=opt("keep_alive_timeout_s", 5.0),

@@ -132,7 +132,8 @@ class Gateway:
         if self.limiter is not None:
             self.limiter.refund(key_id, 0)
 
-    def admit_body(self, key_id: str, body: Any, *, chat: bool, trace: Trace | None = None) -> AdmittedRequest:
+    def admit_body(self, key_id: str, body: Any, *, chat: bool,
+                   trace: Trace | None = None) -> AdmittedRequest:
         """The rest, for a caller :meth:`authenticate` let in (its request is charged)."""
         try:
             return self._admit_body(key_id, body, chat, trace)
@@ -201,5 +202,7 @@ class Gateway:
             self.admission.release()
 
     def __repr__(self) -> str:
-        return (f"Gateway(auth={self.auth!r}, limiter={'on' if self.limiter and self.limiter.enabled else 'off'}, "
-                f"admission={self.admission!r}, models={self.served_models}, max_model_len={self.max_model_len})")
+        return (f"Gateway(auth={self.auth!r}, "
+                f"limiter={'on' if self.limiter and self.limiter.enabled else 'off'}, "
+                f"admission={self.admission!r}, models={self.served_models}, "
+                f"max_model_len={self.max_model_len})")

@@ -202,7 +202,8 @@ class ServingMetrics:
         self.request_success = {r: success.labels(*labels, r) for r in FINISH_REASONS}
         # Not vLLM's: requests the gateway turned away, by code (401s included: a stranger's
         # request is counted here and never stored as a trace)
-        self._rejected_family = Counter("minillm:rejected_requests", "Requests the gateway rejected, by code.",
+        self._rejected_family = Counter("minillm:rejected_requests",
+                                        "Requests the gateway rejected, by code.",
                                         LABELNAMES + ("code",), registry=reg)
         # Histograms of counts
         self.request_prompt_tokens = histogram(

@@ -30,7 +30,8 @@ class _Body(BaseModel):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")    # an unknown option is refused by name (400)
     include_usage: bool | None = None
-    continuous_usage_stats: bool | None = Field(None, description="vLLM's extension: token counts on every chunk")
+    continuous_usage_stats: bool | None = Field(None,
+                                                description="vLLM's extension: token counts on every chunk")
 
 
 class _Sampling(_Body):
@@ -83,7 +84,8 @@ class TokenizeBody(_Body):
                   {"required": ["messages"], "not": {"required": ["prompt"]}}]})
     model: str | None = Field(None, min_length=1)
     prompt: str = Field(None, description="text to tokenize (exactly one of prompt and messages)")
-    messages: list[Message] = Field(None, min_length=1, description="a chat to tokenize with the chat template")
+    messages: list[Message] = Field(None, min_length=1,
+                                    description="a chat to tokenize with the chat template")
     add_special_tokens: bool | None = True
 
 

@@ -97,7 +97,8 @@ class RateLimiter:
 
     def __init__(self, requests_per_s: float | None = None, tokens_per_min: float | None = None,
                  burst: float | None = None, clock: Clock = time.monotonic) -> None:
-        for name, v in (("requests_per_s", requests_per_s), ("tokens_per_min", tokens_per_min), ("burst", burst)):
+        for name, v in (("requests_per_s", requests_per_s), ("tokens_per_min", tokens_per_min),
+                        ("burst", burst)):
             if v is not None and not v > 0:
                 raise ValueError(f"{name} must be positive or None, got {v}")
         if burst is not None and burst < 1:

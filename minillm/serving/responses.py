@@ -77,7 +77,8 @@ def limit_param(request, cap: int | None = None, name: str = "limit") -> int | N
     if limit is None:
         return None
     if not (limit.isascii() and limit.isdigit()):       # "²".isdigit() is True; int("²") fails
-        raise GatewayError(400, "invalid_request", f"'{name}' must be a non-negative integer, got {limit!r}."[:300],
+        raise GatewayError(400, "invalid_request",
+                           f"'{name}' must be a non-negative integer, got {limit!r}."[:300],
                            param=name)
     digits = limit.lstrip("0") or "0"
     n = int(digits) if len(digits) <= 18 else 10 ** 18   # int() refuses over 4300 digits: a 500
@@ -164,7 +165,8 @@ class Job:
         if self.chat:
             return {"content": [{"token": text(e.token_id), "logprob": e.logprob,
                                  "bytes": list(text(e.token_id).encode()),
-                                 "top_logprobs": [{"token": text(i), "logprob": lp, "bytes": list(text(i).encode())}
+                                 "top_logprobs": [{"token": text(i), "logprob": lp,
+                                                   "bytes": list(text(i).encode())}
                                                   for i, lp in e.top]} for e in entries]}
         tokens = [text(e.token_id) for e in entries]
         offsets = [sum(map(len, tokens[:k])) for k in range(len(tokens))]   # within these entries

@@ -232,11 +232,13 @@ def serve(config: ServerConfig, host: str | None = None, port: int | None = None
     frozen = freeze_startup_heap()
     log.info("froze %d start-up objects out of the garbage collector's full collections", frozen)
     print(f"minillm serving {st.model_name} ({st.llm.device}, max_model_len {st.engine.max_model_len}, "
-          f"{st.engine.cache.num_slots} KV slots, {len(st.auth.key_ids)} API key(s)) at http://{host}:{port}/v1",
+          f"{st.engine.cache.num_slots} KV slots, {len(st.auth.key_ids)} API key(s)) at "
+          f"http://{host}:{port}/v1",
           file=sys.stderr, flush=True)
     server = _uvicorn_server(app, host, port, config)
     server.run()
     if server.drained is False:
-        log.warning("shut down before every request finished (shutdown_timeout_s=%s)", config.shutdown_timeout_s)
+        log.warning("shut down before every request finished (shutdown_timeout_s=%s)",
+                    config.shutdown_timeout_s)
         return 1
     return 0

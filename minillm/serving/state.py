@@ -51,7 +51,8 @@ class ServingState:
         self.auth = APIKeyAuth(config.api_keys, config.admin_key)
         limiter = (RateLimiter(config.requests_per_s, config.tokens_per_min, config.burst)
                    if config.requests_per_s or config.tokens_per_min else None)
-        self.gateway = Gateway(self.auth, limiter, AdmissionControl(config.max_queue_depth), [self.model_name],
+        self.gateway = Gateway(self.auth, limiter, AdmissionControl(config.max_queue_depth),
+                               [self.model_name],
                                self.engine.max_model_len, self.tokenize,
                                max_tokens_cap=config.max_tokens_cap)
         self.loop = EngineLoop(self.engine)
@@ -202,10 +203,12 @@ class ServingState:
         says whose (else the answer would be a guess, so it is refused)."""
         items, _ = self.trace_store.query(ADMIN if key_id is None else key_id, [request_id])
         if not items:
-            raise KeyError(f"no trace for request {request_id!r} (yet): a trace is stored when its response is complete")
+            raise KeyError(f"no trace for request {request_id!r} (yet): a trace is stored when its response "
+                           "is complete")
         owners = {it.owner for it in items}
         if len(owners) > 1:
-            raise KeyError(f"request id {request_id!r} names traces of {len(owners)} keys: pass key_id= to say whose")
+            raise KeyError(f"request id {request_id!r} names traces of {len(owners)} keys: pass key_id= to "
+                           "say whose")
         return items[-1].trace
 
     def traces_page(self, reader: str, request_ids: list[str] | None, after: int, limit: int) -> dict:

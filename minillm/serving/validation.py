@@ -45,7 +45,8 @@ class CompletionRequest:
     include_stop_str_in_output: bool = False   # vLLM's: keep the matched stop string in the text
     n: int = 1
     user: str | None = None
-    extra_sampling: dict[str, Any] = field(default_factory=dict)   # logprobs, min_tokens: SamplingParams' names
+    # logprobs, min_tokens: SamplingParams' names
+    extra_sampling: dict[str, Any] = field(default_factory=dict)
 
 
 def is_int(x: Any) -> bool:
@@ -107,7 +108,8 @@ def _parse_prompt(body: dict) -> str:
         if p and all(isinstance(x, str) for x in p):
             raise invalid("prompt", f"Batched prompts are not supported: 'prompt' is a list of {len(p)} "
                                      "strings; send one request per prompt.")
-        raise invalid("prompt", "'prompt' must be a single string; lists (batches, token ids) are not supported.")
+        raise invalid("prompt",
+                      "'prompt' must be a single string; lists (batches, token ids) are not supported.")
     if not isinstance(p, str):
         raise invalid("prompt", f"'prompt' must be a string, got {type(p).__name__}.")
     return p
@@ -121,7 +123,8 @@ def _message_content(content: Any, param: str) -> str:
         texts = []
         for j, part in enumerate(content):
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise invalid(f"{param}[{j}]", "Only text content parts ({'type': 'text', 'text': ...}) are supported.")
+                raise invalid(f"{param}[{j}]",
+                              "Only text content parts ({'type': 'text', 'text': ...}) are supported.")
             texts.append(part["text"])
         return "".join(texts)
     raise invalid(param, f"'{param}' must be a string, got {type(content).__name__}.")
@@ -140,10 +143,12 @@ def parse_messages(body: dict) -> list[Message]:
             raise invalid(where, f"'{where}' must be an object with 'role' and 'content'.")
         role = m.get("role")
         if role not in CHAT_ROLES:
-            raise invalid(f"{where}.role", f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}; got {role!r}.")
+            raise invalid(f"{where}.role",
+                          f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}; got {role!r}.")
         if m.get("tool_calls"):           # before content: such a message often has none
-            raise invalid(f"{where}.tool_calls", f"'{where}.tool_calls' is not supported: this server does no "
-                          "function calling (no 'tools'), so a conversation cannot hold tool calls.")
+            raise invalid(f"{where}.tool_calls",
+                          f"'{where}.tool_calls' is not supported: this server does no "
+   "function calling (no 'tools'), so a conversation cannot hold tool calls.")
         if "content" not in m or m["content"] is None:
             raise invalid(f"{where}.content", f"'{where}.content' is required.")
         out.append({"role": role, "content": _message_content(m["content"], f"{where}.content")})
@@ -245,13 +250,16 @@ def parse_completion_body(body: Any, *, chat: bool) -> CompletionRequest:
         unknown = sorted(set(opts) - set(STREAM_OPTIONS))
         if unknown:
             raise invalid(f"stream_options.{unknown[0]}",
-                          f"'stream_options.{unknown[0]}' is not supported (supported: {', '.join(STREAM_OPTIONS)}).")
+                          f"'stream_options.{unknown[0]}' is not supported (supported: "
+                          f"{', '.join(STREAM_OPTIONS)}).")
         include_usage = _get_bool(opts, "include_usage")
         continuous_usage = _get_bool(opts, "continuous_usage_stats")
 
-    return CompletionRequest(prompt=prompt, chat=chat, model=model, stream=stream, include_usage=include_usage,
+    return CompletionRequest(prompt=prompt, chat=chat, model=model, stream=stream,
+                             include_usage=include_usage,
                              continuous_usage=continuous_usage,
-                             n=1, user=_get_str(body, "user"), extra_sampling=_parse_logprobs_min_tokens(body, chat),
+                             n=1, user=_get_str(body, "user"),
+                             extra_sampling=_parse_logprobs_min_tokens(body, chat),
                              **sampling)
 
 
