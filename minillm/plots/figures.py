@@ -15,7 +15,20 @@ import tempfile
 import textwrap
 from pathlib import Path
 
+from minillm.plots.fonts import bilingual, use_cjk_font
+
 DEFAULT_DIR = Path("runs") / "figures"      # relative to the working directory
+
+# The chapter's sections, English and the Chinese chapter's own headings, for the line under each figure.
+SECTIONS = {
+    "10.1": ("The lifecycle of one inference request", "一个推理请求的生命周期"),
+    "10.2": ("Four metrics", "四个指标"),
+    "10.3": ("Back to the three formulas: the decode roofline", "回到第一册的三个公式"),
+    "10.4": ("Prefill and decode", "Prefill 与 Decode"),
+    "10.5": ("Time outside the accelerator", "不只是 GPU 在花时间"),
+    "10.6": ("Benchmarking without fooling yourself", "怎么压测才不骗自己"),
+    "10.7": ("Core Q&A", "核心问答"),
+}
 
 
 def figures_dir(out_dir: str | Path | None = None) -> Path:
@@ -52,6 +65,17 @@ def notebook_figures_dir(publish: bool = False, fast: bool = False, cwd: str | P
     return d
 
 
+def section_line(name: str) -> str | None:
+    """``"Figure 10-3 · 10.3 Back to the three formulas: … · 回到第一册的三个公式"`` for a chapter figure's
+    name (the Chinese heading only where a CJK font can draw it), None for any other name."""
+    number = name[:4]
+    section = number.replace("-", ".")
+    if section not in SECTIONS:
+        return None
+    en, zh = SECTIONS[section]
+    return f"Figure {number} · {section} {bilingual(en, zh)}"
+
+
 def save_figure(fig, name: str, stamp: str, out_dir: str | Path | None = None, data=None) -> list[Path]:
     """Stamp ``fig`` (bottom-left, small grey text: hardware, model, dtype, date) and save
     ``name.png`` and ``name.svg``; with ``data`` (plain, JSON-able), also ``data/name.json``
@@ -60,7 +84,10 @@ def save_figure(fig, name: str, stamp: str, out_dir: str | Path | None = None, d
         raise ValueError(f"figure name must be a bare slug like '10-3-decode-roofline', got {name!r}")
     # wrapped, so a long command line does not make the saved figure three times wider
     stamp = "\n".join(textwrap.wrap(stamp, 150))
-    fig.text(0.005, 0.005, stamp, fontsize=6, color="0.45", ha="left", va="top")
+    heading = section_line(name)
+    fig.text(0.005, 0.005, f"{heading}\n{stamp}" if heading else stamp, fontsize=6, color="0.45",
+             ha="left", va="top")
+    use_cjk_font(fig)
     d = figures_dir(out_dir)
     paths = [d / f"{name}.png", d / f"{name}.svg"]
     fig.savefig(paths[0], dpi=150, bbox_inches="tight")
