@@ -82,13 +82,30 @@ def cmd_bench(a: argparse.Namespace) -> int:
     return 0
 
 
+def _redraw_roofline(a: argparse.Namespace) -> int:
+    """``roofline --redraw FILE.json``: the figure from saved data, nothing measured (10.3)."""
+    from minillm.bench.sweep_result import load_result
+    from minillm.experiments.references import load_published_references, load_roofline_references
+    from minillm.plots.roofline import redraw_roofline_figure
+    if not Path(a.redraw).is_file():
+        print(f"error: --redraw: no such file {a.redraw}", file=sys.stderr)
+        return 2
+    refs = load_roofline_references() + [load_result(p) for p in (a.reference or [])]
+    figs = redraw_roofline_figure(a.redraw, a.figures, refs, load_published_references())
+    print(f"figure: {'  '.join(map(str, figs))}  (redrawn from {a.redraw}; nothing measured)")
+    return 0
+
+
 def cmd_roofline(a: argparse.Namespace) -> int:
     import shlex
 
     from minillm.bench.sweep import run_sweep
     from minillm.bench.sweep_result import default_batches, load_result, parse_batches
+    from minillm.experiments.references import load_published_references
     from minillm.plots.figures import figures_dir
     from minillm.plots.roofline import save_roofline_figure
+    if a.redraw:
+        return _redraw_roofline(a)
     try:
         batches = parse_batches(a.batches) if a.batches else default_batches(a.max_batch)
     except ValueError as e:
@@ -108,7 +125,7 @@ def cmd_roofline(a: argparse.Namespace) -> int:
     print(res.table())
     jp, cp = res.write(a.out)
     refs = [load_result(p) for p in (a.reference or [])]
-    figs = save_roofline_figure(res.to_dict(), refs, out_dir=a.figures)
+    figs = save_roofline_figure(res.to_dict(), refs, out_dir=a.figures, published=load_published_references())
     print(f"data: {jp}  {cp}")
     print(f"figure: {'  '.join(map(str, figs))}")
     return 0

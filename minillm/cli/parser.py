@@ -167,6 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="directory for the figure (default: runs/figures/ under the working directory, or "
                         "$MINILLM_FIGURES_DIR; --figures figures/ writes the committed one)")
     r.add_argument("--reference", action="append", help="a reference run's JSON to overlay (repeatable)")
+    r.add_argument("--redraw", default=None, metavar="FILE.json",
+                   help="measure nothing: draw the figure again from a saved sweep (a roofline-*.json or "
+                        "figures/data/10-3-decode-roofline.json), with the formula panel, the reference runs "
+                        "below figures/reference/ and the published GPU numbers; --figures says where")
     r.set_defaults(fn=c.cmd_roofline)
 
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (gateway, SSE streaming, traces)")

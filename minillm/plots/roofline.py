@@ -19,11 +19,22 @@ def _label(res: dict) -> str:
     return f"{res['model']} {res['dtype']} on {name}"
 
 
-def plot_roofline(result: dict, references: list[dict] | None = None, ax=None):
-    """x: batch (log2), y: tok/s (log). Measured per-request and aggregate tok/s, the
-    bandwidth ÷ model-size bound and its KV-corrected form, the compute roof, B* and the knee."""
+def plot_roofline(result: dict, references: list[dict] | None = None, ax=None,
+                  published: list[dict] | None = None, formula_panel: bool = True):
+    """Two panels. Left, this run: x batch (log2), y tok/s (log); measured per-request and aggregate
+    tok/s, the bandwidth ÷ model-size bound and its KV-corrected form, the compute roof, B* and the
+    knee. Right (unless ``formula_panel`` is False or an ``ax`` is given): the chapter's crossover by
+    the formulas for ``llama-3.1-8b`` bf16 on datasheet GPUs, with ``published`` GPU measurements and
+    the references of that model and dtype (this project's H200 run) as points."""
     import matplotlib.pyplot as plt
-    if ax is None:
+    on_formula = [r for r in references or [] if _fits_formula_panel(r)] if formula_panel and ax is None else []
+    references = [r for r in references or [] if not any(r is f for f in on_formula)]
+    fax = None
+    if ax is None and formula_panel:
+        fig, (ax, fax) = plt.subplots(1, 2, figsize=(15, 7.8))
+        # room below the axes for both legends, above the stamp save_figure writes at the bottom
+        fig.subplots_adjust(bottom=0.29, top=0.92, wspace=0.2)
+    elif ax is None:
         fig, ax = plt.subplots(figsize=(7.5, 5))
     fig = ax.figure
     cfg = ModelConfig(**result["config"])
@@ -95,7 +106,11 @@ def plot_roofline(result: dict, references: list[dict] | None = None, ax=None):
     ax.set_title(f"Decode roofline: {_label(result)}\n(context {L}, ceilings {result['ceilings']['source']}: "
                  f"{bw / 1e9:.0f} GB/s {_bw_kind(result)}, {peak / 1e12:.2f} TFLOP/s)", fontsize=10)
     ax.grid(True, which="both", alpha=0.25)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))   # outside: never hides a line
+    if fax is None:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))   # outside: never hides a line
+        return fig
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)   # below: the right is taken
+    plot_formula_panel(fax, published, on_formula)
     return fig
 
 
@@ -117,12 +132,202 @@ def stamp_of(result: dict) -> str:
             f"{result.get('command', '')}")
 
 
+# ----------------------------------------------------------------------------- the formula panel (10.3)
+# The chapter's crossover by the formulas alone: one request ≤ bandwidth ÷ model bytes, a batch
+# shares that read until the step turns compute-bound at B*. Datasheet numbers, never a measurement.
+FORMULA_MODEL, FORMULA_DTYPE, FORMULA_CONTEXT = "llama-3.1-8b", "bf16", 512
+FORMULA_BATCHES = [2 ** i for i in range(10)]                  # 1 → 512
+# (spec-table name, what the chapter calls it, colour): the chapter's "2 TB/s card" is the H100 PCIe's
+# datasheet row (2.0 TB/s); the H200 SXM is the GPU of this project's own reference run
+FORMULA_GPUS = (("H100 PCIe 80GB", "the chapter's 2 TB/s card", "tab:blue"),
+                ("H200 SXM 141GB", "the GPU of this project's run", "tab:red"))
+# the chapter's illustrative pair (notebooks 00 and 07): 40 tok/s alone, 2000 tok/s in total at 64
+CHAPTER_EXAMPLE = {"batch_1_tok_s": 40.0, "batch": 64, "aggregate_tok_s": 2000.0}
+FIGURE_KEYS = ("formula_panel", "references_drawn")            # what the figure adds to a sweep's data
+PUBLISHED_MARKERS = ("D", "P", "X", "v", "<", ">")
+
+
+def _fits_formula_panel(ref: dict) -> bool:
+    """A measured reference of the formula panel's model and dtype goes on that panel."""
+    return ref.get("model") == FORMULA_MODEL and ref.get("dtype") == FORMULA_DTYPE
+
+
+def formula_panel_data() -> dict:
+    """Per-request and aggregate tok/s bounds for B = 1 → 512, each datasheet GPU, with and without
+    the KV read at L = 512, and B* with and without it: what the formula panel draws."""
+    from minillm.model.config import PRESETS
+    from minillm.perf.calculator import gpu_spec
+    cfg, nb, L = PRESETS[FORMULA_MODEL], 2, FORMULA_CONTEXT
+    cards = []
+    for name, role, _ in FORMULA_GPUS:
+        spec = gpu_spec(name)
+        bw, peak = spec.bandwidth, spec.flops[FORMULA_DTYPE]
+        card = {"gpu": spec.name, "role": role, "source": spec.source, "bandwidth": bw, "peak_flops": peak,
+                "bandwidth_bound_tok_s": rf.bandwidth_bound_tok_s(rf.weight_bytes(cfg, nb), bw),
+                "crossover": rf.crossover_batch(cfg, nb, bw, peak, 0),
+                "crossover_kv": rf.crossover_batch(cfg, nb, bw, peak, L)}
+        for key, ctx in (("weights_only", 0), ("with_kv", L)):
+            agg = [rf.aggregate_bound(cfg, nb, b, ctx, bw, peak) for b in FORMULA_BATCHES]
+            card[key] = {"context": ctx, "aggregate_tok_s": agg,
+                         "per_request_tok_s": [a / b for a, b in zip(agg, FORMULA_BATCHES)]}
+        cards.append(card)
+    return {"kind": "formula, datasheet numbers (not a measurement)", "model": FORMULA_MODEL,
+            "dtype": FORMULA_DTYPE, "context": L, "batches": FORMULA_BATCHES,
+            "model_bytes": rf.weight_bytes(cfg, nb), "cards": cards, "chapter_example": CHAPTER_EXAMPLE}
+
+
+def _short(text: str) -> str:
+    """'gpt-fast (native PyTorch)' → 'gpt-fast'; 'A100-80GB, power limited' → 'A100-80GB'."""
+    return text.split(" (")[0].split(",")[0]
+
+
+def _published_label(doc: dict) -> str:
+    pts = doc["points"]
+    models = "/".join(dict.fromkeys(p["model"] for p in pts))
+    dtypes = "/".join(dict.fromkeys(p["dtype"] for p in pts))
+    bs = sorted({p["batch"] for p in pts})
+    batch = f"batch {bs[0]}" if len(bs) == 1 else f"batch {bs[0]}–{bs[-1]}"
+    return f"published: {_short(doc['engine'])} on {_short(doc['hardware'])}, {models} {dtypes}, {batch}"
+
+
+def _draw_formula_lines(ax, data: dict) -> None:
+    """Each card: aggregate and per-request bounds, solid without the KV read, dashed with it; B*."""
+    xs = data["batches"]
+    for card, (_, _, color) in zip(data["cards"], FORMULA_GPUS):
+        kv = card["crossover_kv"]
+        kv_txt = "never (KV grows as fast)" if not math.isfinite(kv) else f"{kv:,.0f}"
+        label = (f"{card['role']}: {card['gpu']} datasheet, {card['bandwidth'] / 1e12:.1f} TB/s, "
+                 f"{card['peak_flops'] / 1e12:.0f} TFLOP/s;\n  B* = {card['crossover']:.0f} "
+                 f"(weights only), {kv_txt} with KV")
+        for key, ls in (("weights_only", "-"), ("with_kv", "--")):
+            line = card[key]
+            ax.plot(xs, line["aggregate_tok_s"], ls, color=color, lw=1.5, alpha=0.85,
+                    label=label if key == "weights_only" else None)
+            ax.plot(xs, line["per_request_tok_s"], ls, color=color, lw=1.2, alpha=0.6)
+        bstar = card["crossover"]
+        if bstar <= xs[-1]:
+            ax.axvline(bstar, color=color, lw=0.8, ls=":", alpha=0.8)
+            # left of its line, each card at its own height: two B* a factor 2 apart never collide
+            y = 1.6e5 if card is data["cards"][-1] else 1.0e5
+            ax.text(bstar / 1.06, y, f"B* ≈ {bstar:.0f}", color=color, fontsize=7, va="top", ha="right")
+    ax.plot([], [], "--", color="0.4", label=f"dashed: + the KV read at L = {data['context']} per sequence")
+    # where the two families of lines are, said on the plot (the legend has room for six entries)
+    ax.text(2.2, 2.2e4, "aggregate tok/s ≤ B × BW ÷ bytes per step", fontsize=7.5, rotation=0, color="0.25")
+    ax.text(1.1, 14, "per-request tok/s: flat until B*, then falls", fontsize=7.5, color="0.25")
+
+
+def _draw_chapter_example(ax, ex: dict) -> None:
+    """The chapter's illustrative 40 → 2000 tok/s: two hollow stars and an arrow, no legend entry."""
+    b, b1, agg = ex["batch"], ex["batch_1_tok_s"], ex["aggregate_tok_s"]
+    ax.plot([1, b], [b1, agg], "*", ms=11, mfc="none", mec="black", zorder=6)
+    ax.annotate("", xy=(b / 1.15, agg / 1.1), xytext=(1.2, b1 * 1.15),
+                arrowprops={"arrowstyle": "->", "color": "black", "lw": 0.8, "ls": "--"})
+    ax.text(1.25, b1 / 1.9, f"the chapter's illustrative example: {b1:.0f} tok/s alone", fontsize=7.5)
+    ax.text(b * 1.2, agg / 1.25, f"→ {agg:.0f} tok/s in total\n    at batch {b}", fontsize=7.5, va="top")
+
+
+def _draw_published(ax, published: list[dict]) -> None:
+    for doc, marker in zip(published, PUBLISHED_MARKERS):
+        pts = doc["points"]
+        ax.plot([p["batch"] for p in pts], [p["tok_s"] for p in pts], marker, ls="none", ms=6,
+                color="tab:green", mec="black", mew=0.6, zorder=5, label=_published_label(doc))
+        for i, p in enumerate(pts):
+            # batch-1 points sit at the left edge: tags to their right, alternately up and down (two
+            # models 10 % apart); the others to the left, clear of the chapter's star at batch 64
+            right = p["batch"] == 1
+            tag = (f"in/out {p['input_len']}/{p['output_len']}" if "input_len" in p else p["model"])
+            ax.annotate(tag, (p["batch"], p["tok_s"]), fontsize=6, color="darkgreen",
+                        xytext=(7 if right else -7, (4 if i % 2 == 0 else -9) if right else -3),
+                        textcoords="offset points", ha="left" if right else "right")
+
+
+def _draw_measured_references(ax, refs: list[dict]) -> None:
+    for ref in refs:
+        ok = _ok(ref)
+        hw = ref.get("hardware", {}).get("name") or ref.get("device")
+        ax.plot([b["batch"] for b in ok], [b["aggregate_tok_s"] for b in ok], "s-", color="tab:purple",
+                ms=4, lw=1, zorder=4,
+                label=f"this project's {hw} run (measured, L = {ref['context']}):\n  ■ aggregate, □ per request")
+        ax.plot([b["batch"] for b in ok], [b["per_request_tok_s"] for b in ok], "s-", color="tab:purple",
+                mfc="white", ms=4, lw=1, zorder=4)
+
+
+def plot_formula_panel(ax, published: list[dict] | None = None, measured: list[dict] | None = None) -> dict:
+    """The right panel of 10-3: the formulas on datasheet numbers, the chapter's example, and
+    published and measured GPU points. Returns what it drew (the formula data)."""
+    data = formula_panel_data()
+    _draw_formula_lines(ax, data)
+    _draw_published(ax, published or [])
+    _draw_measured_references(ax, measured or [])
+    _draw_chapter_example(ax, data["chapter_example"])
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_ylim(8, 2e5)
+    ax.set_xlabel("batch size (concurrent decoding requests)")
+    ax.set_ylabel("tokens / s")
+    ax.set_title(f"Formula, datasheet numbers (not a measurement): {data['model']} {data['dtype']}\n"
+                 f"lines: bounds by the formulas; points: published and measured GPU runs", fontsize=10)
+    ax.grid(True, which="both", alpha=0.25)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=1)
+    return data
+
+
+def _relative(path: str) -> str:
+    root = Path(__file__).resolve().parents[2]
+    try:
+        return str(Path(path).resolve().relative_to(root))
+    except ValueError:
+        return str(path)
+
+
+def references_drawn(references: list[dict] | None, published: list[dict] | None) -> list[dict]:
+    """Which references the figure drew, where each came from and on which panel: the data JSON's record."""
+    out = []
+    for doc in published or []:
+        out.append({"kind": "published", "panel": "formula", "path": _relative(doc.get("_path", "")),
+                    "url": doc["url"], "engine": doc["engine"], "hardware": doc["hardware"],
+                    "points": [{k: p[k] for k in ("model", "dtype", "batch", "metric", "tok_s", "gb_s")
+                                if k in p} for p in doc["points"]]})
+    for ref in references or []:
+        out.append({"kind": "measured run of this engine",
+                    "panel": "formula" if _fits_formula_panel(ref) else "measurement",
+                    "path": _relative(ref.get("_path", "")), "hardware": _label(ref),
+                    "started": ref.get("started"), "context": ref.get("context"),
+                    "points": [{"batch": b["batch"], "per_request_tok_s": b["per_request_tok_s"],
+                                "aggregate_tok_s": b["aggregate_tok_s"]} for b in _ok(ref)]})
+    return out
+
+
+def figure_data(result: dict, references: list[dict] | None = None,
+                published: list[dict] | None = None) -> dict:
+    """The sweep's data unchanged, plus what the formula panel drew and which references."""
+    data = {k: v for k, v in result.items() if k not in FIGURE_KEYS}
+    data["formula_panel"] = formula_panel_data()
+    data["references_drawn"] = references_drawn(references, published)
+    return data
+
+
 def save_roofline_figure(result: dict, references: list[dict] | None = None,
-                         out_dir: str | Path | None = None, name: str = "10-3-decode-roofline") -> list[Path]:
+                         out_dir: str | Path | None = None, name: str = "10-3-decode-roofline",
+                         published: list[dict] | None = None, formula_panel: bool = True) -> list[Path]:
     import matplotlib.pyplot as plt  # any backend saves a file; the caller's backend is left alone
 
     from minillm.plots.figures import save_figure
-    fig = plot_roofline(result, references)
-    paths = save_figure(fig, name, stamp_of(result), out_dir, data=result)
+    result = {k: v for k, v in result.items() if k not in FIGURE_KEYS}
+    fig = plot_roofline(result, references, published=published, formula_panel=formula_panel)
+    data = figure_data(result, references, published) if formula_panel else result
+    paths = save_figure(fig, name, stamp_of(result), out_dir, data=data)
     plt.close(fig)
     return paths
+
+
+def redraw_roofline_figure(data_path: str | Path, out_dir: str | Path | None = None,
+                           references: list[dict] | None = None, published: list[dict] | None = None,
+                           name: str = "10-3-decode-roofline") -> list[Path]:
+    """Draw 10-3 again from a saved sweep (a ``roofline-*.json`` or a figure's ``data/*.json``)
+    without measuring anything: the measurement is read back as it was, the formula panel recomputed."""
+    import json
+
+    from minillm.core.result import restore_nonfinite
+    result = json.loads(Path(data_path).read_text(), object_hook=restore_nonfinite)
+    return save_roofline_figure(result, references, out_dir, name, published)
