@@ -128,7 +128,8 @@ def check_bandwidth(measure: bool = True) -> list[Check]:
         return checks + [Check("read bandwidth by buffer", "--", f"not measured ({type(e).__name__}: {e})")]
     return checks + [Check("read bandwidth by buffer", "OK",
                            ", ".join(f"{n / 2**20:.0f} MiB: {v / 1e9:.1f} GB/s" for n, v in by_size)
-                           + " (the decode bound reads one step's bytes, at least twice the last-level cache)")]
+                           + " (the decode bound reads one step's bytes, "
+                             "at least twice the last-level cache)")]
 
 
 def check_cpu_bf16() -> list[Check]:

@@ -35,7 +35,8 @@ def test_engine_bench_report_is_well_formed_and_the_stall_is_real():
     rep = run_engine_bench("tiny", device="cpu", dtype="fp32", n_short=3, long_prompt=256, chunk=32,
                            prefix_prompt=96, repeats=1, packed_lengths=[16, 40, 100])
     assert [r.policy for r in rep.stall] == ["prefill-first", "chunked"]
-    assert all(r.itl_max_ms >= r.itl_p50_ms > 0 and r.output_tok_s > 0 and r.long_ttft_ms > 0 for r in rep.stall)
+    assert all(r.itl_max_ms >= r.itl_p50_ms > 0 and r.output_tok_s > 0 and r.long_ttft_ms > 0
+               for r in rep.stall)
     assert rep.stall[1].budget == 32 and rep.prefix_cached_tokens == 80      # 95 usable → 5 blocks of 16
     assert len(rep.packed_ms) == len(rep.padded_ms) == 1
     text = rep.table()

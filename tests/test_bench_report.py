@@ -17,7 +17,8 @@ def complete() -> BenchReport:
                        input_lengths="fixed 128", output_lengths="fixed 64", load="4 req/s", warmup=5,
                        prefix_caching=False, n_ok=10, n_failed=0, input_tok_s=1.0, output_tok_s=2.0,
                        requests_s=0.1,
-                       latency_ms={m: {"p50": 1.0, "p95": 2.0, "p99": 3.0} for m in ("ttft", "tpot", "itl", "e2e")})
+                       latency_ms={m: {"p50": 1.0, "p95": 2.0, "p99": 3.0}
+                                   for m in ("ttft", "tpot", "itl", "e2e")})
 
 
 def test_a_complete_report_renders():
@@ -77,7 +78,8 @@ def test_from_a_minillm_run_only_what_the_server_cannot_say_is_missing(capsys, t
         assert "prefix caching off" in out.out and "parallel tp=1" in out.out and "fp32" in out.out
         saved = json.loads((tmp_path / "report.json").read_text())
         assert saved["missing"] == [] and saved["precision"] == "fp32" and saved["summary"]["n_ok"] >= 1
-        assert (tmp_path / "fig" / "10-6-report.png").exists() and (tmp_path / "fig" / "data" / "10-6-report.json").exists()
+        assert ((tmp_path / "fig" / "10-6-report.png").exists()
+                and (tmp_path / "fig" / "data" / "10-6-report.json").exists())
         # a report that cannot render writes nothing: no JSON, no figure
         bare = BenchReport.from_bench(res, {})
         from minillm.plots.honest import plot_report

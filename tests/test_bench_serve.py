@@ -147,7 +147,8 @@ def test_cli_writes_json_that_loads_back(server, tmp_path, capsys):
     assert len(d["requests"]) == 8 and len(d["warmup_requests"]) == 1
     assert d["summary"]["n_ok"] + d["summary"]["n_failed"] == 8
     assert d["summary"]["n_ok"] == sum(r["ok"] for r in d["requests"]) > 0
-    assert d["summary"]["output_tokens"] == sum(r["usage"]["completion_tokens"] for r in d["requests"] if r["ok"])
+    assert d["summary"]["output_tokens"] == sum(r["usage"]["completion_tokens"]
+                                                for r in d["requests"] if r["ok"])
     assert all(r["usage"]["completion_tokens"] == 6 for r in d["requests"])     # --ignore-eos
     assert all(r["status"] == 200 and r["chunks"] for r in d["requests"])
 
@@ -184,13 +185,16 @@ def test_schedule_inf_is_all_at_once():
 # last chunk with empty choices, then [DONE].
 VLLM = (
     'data: '
-    '{"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":"Hello","logprobs":null,"finish_reason":null}],"usage":null}\n\ndata: '
+    '{"id":"cmpl-1","object":"text_completion","created":1,"model":"m",'
+    '"choices":[{"index":0,"text":"Hello","logprobs":null,"finish_reason":null}],"usage":null}\n\ndata: '
     '{"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":" world, '
     'how","logprobs":null,"finish_reason":null}],"usage":null}\n\ndata: '
-    '{"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":"","logprobs":null,"finish_reason":null}],"usage":null}\n\ndata: '
+    '{"id":"cmpl-1","object":"text_completion","created":1,"model":"m",'
+    '"choices":[{"index":0,"text":"","logprobs":null,"finish_reason":null}],"usage":null}\n\ndata: '
     '{"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":" '
     'are","logprobs":null,"finish_reason":"length"}],"usage":null}\n\ndata: '
-    '{"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[],"usage":{"prompt_tokens":7,"total_tokens":13,"completion_tokens":6}}\n\ndata: '
+    '{"id":"cmpl-1","object":"text_completion","created":1,"model":"m",'
+    '"choices":[],"usage":{"prompt_tokens":7,"total_tokens":13,"completion_tokens":6}}\n\ndata: '
     '[DONE]\n\n')
 
 # SGLang-style chat stream: CRLF line endings, a role-only first chunk, keep-alive comments.
@@ -340,7 +344,8 @@ class _RawServer:
                 c.sendall(_chunked(b'data: {"choices":[{"index":0,"text":"x"}]}\n\n'))
                 if mode == 0:
                     c.sendall(_chunked(b'data: '
-                                       b'{"choices":[],"usage":{"prompt_tokens":2,"completion_tokens":1}}\n\ndata: '
+                                       b'{"choices":[],'
+                                       b'"usage":{"prompt_tokens":2,"completion_tokens":1}}\n\ndata: '
                                        b'[DONE]\n\n') + b"0\r\n\r\n")
                 elif mode == 1:
                     c.sendall(_chunked(b'data: {"error":{"message":"engine failed","code":500}}\n\n'

@@ -371,8 +371,10 @@ def test_the_outside_check_counts_the_collector_inside_the_steps():
     recs[3].gc_ms, recs[7].gc_ms = 4.0, 2.0
     out = diagnose(healthy_traces(), recs).finding(OUTSIDE)
     assert out.numbers["steps_gc_ms"] == pytest.approx(6.0)
-    assert any(e.startswith("garbage collection: 6.0 ms inside the steps") for e in out.evidence), out.evidence
-    assert not any("garbage" in e for e in diagnose(healthy_traces(), steps(0, 1200)).finding(OUTSIDE).evidence)
+    assert any(e.startswith("garbage collection: 6.0 ms inside the steps") for e in out.evidence), \
+        out.evidence
+    assert not any("garbage" in e
+                   for e in diagnose(healthy_traces(), steps(0, 1200)).finding(OUTSIDE).evidence)
 
 
 def test_the_collectors_time_after_the_sampled_mark_delays_the_next_token():

@@ -470,7 +470,8 @@ def test_stop_strings_and_include_stop_str(out_llm):
     p = rand_prompt(6, 1400)
     base = llm.generate([p], greedy(24))[0].text
     assert len(base) > 12
-    start = next(i for i in range(4, len(base) - 3) if base[i:i + 3].strip() and base.find(base[i:i + 3]) == i)
+    start = next(i for i in range(4, len(base) - 3)
+                 if base[i:i + 3].strip() and base.find(base[i:i + 3]) == i)
     stop = base[start:start + 3]
     out = llm.generate([p], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=[stop]))[0]
     assert out.finish_reason == "stop" and out.text == base[:start] and stop not in out.text

@@ -52,7 +52,8 @@ def test_a_figure_outside_the_chapter_has_no_section_line():
     assert section_line("my-own-plot") is None and section_line("10-9-x") is None
 
 
-@pytest.mark.skipif(fonts.cjk_font() is None, reason="no CJK font installed here (e.g. Debian's fonts-noto-cjk)")
+@pytest.mark.skipif(fonts.cjk_font() is None,
+                    reason="no CJK font installed here (e.g. Debian's fonts-noto-cjk)")
 def test_with_a_cjk_font_chinese_is_drawn_with_every_glyph(tmp_path):
     assert fonts.bilingual("Four metrics", "四个指标") == "Four metrics · 四个指标"
     fig, ax = plt.subplots()

@@ -319,7 +319,8 @@ def _nonfinite_cases():
         for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "min_tokens", "logprobs", "n"):
             raw = f'{{"prompt": "hi", "max_tokens": 2, "{name}": {token}}}'.encode()
             out.append(pytest.param("/v1/completions", raw, name, id=f"cmpl-{name}-{token}"))
-        raw = f'{{"messages": [{{"role": "user", "content": "hi"}}], "max_tokens": 2, "temperature": {token}}}'.encode()
+        raw = (f'{{"messages": [{{"role": "user", "content": "hi"}}], "max_tokens": 2, '
+               f'"temperature": {token}}}').encode()
         out.append(pytest.param("/v1/chat/completions", raw, "temperature", id=f"chat-temperature-{token}"))
         out.append(pytest.param("/detokenize", f'{{"tokens": [1, {token}]}}'.encode(), "tokens",
                                 id=f"detokenize-{token}"))
@@ -366,7 +367,8 @@ def test_bad_field_values_are_400_naming_the_field(server, path, raw, param):
     named = {param, "stream_options"}                 # include_usage is named as such
     if err["code"] == "context_length_exceeded":
         named.add("max_tokens")                       # max_completion_tokens too large: named max_tokens
-    assert err["param"] is not None and err["param"].split(".")[0].split("[")[0] in named | {"include_usage"}, err
+    assert (err["param"] is not None
+            and err["param"].split(".")[0].split("[")[0] in named | {"include_usage"}), err
 
 
 @settle

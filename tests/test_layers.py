@@ -151,7 +151,8 @@ def test_library_code_never_changes_matplotlibs_backend():
     calls = []
     for path in PACKAGE.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "use" \
-                    and isinstance(node.func.value, ast.Name) and node.func.value.id in ("matplotlib", "mpl"):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "use" and isinstance(node.func.value, ast.Name)
+                    and node.func.value.id in ("matplotlib", "mpl")):
                 calls.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
     assert not calls, calls

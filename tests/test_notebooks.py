@@ -44,7 +44,8 @@ def test_first_cell_names_the_section_and_there_is_a_fast_flag(path):
     if not path.name.startswith("00_"):                       # 00 is the series' introduction
         assert re.search(r"\b10\.\d+\b", first.source), f"{path.name}: name the section (10.x) first"
     assert re.search(r"[\u4e00-\u9fff]", first.source), f"{path.name}: give the chapter's Chinese heading too"
-    assert any('os.environ.get("MINILLM_FAST") == "1"' in c.source for c in nb.cells if c.cell_type == "code"), \
+    assert any('os.environ.get("MINILLM_FAST") == "1"' in c.source
+               for c in nb.cells if c.cell_type == "code"), \
         f"{path.name}: needs the parameters cell FAST = os.environ.get(\"MINILLM_FAST\") == \"1\""
 
 
@@ -82,16 +83,19 @@ def test_ends_with_summary_questions_exercises_and_worked_solutions(path):
     '### Worked solutions', in this order, then the solutions as code that executes."""
     nb = nbformat.read(path, as_version=4)
     cells = nb.cells
-    marks = [(i, _first_line(c)) for i, c in enumerate(cells) if c.cell_type == "markdown" and _first_line(c) in ENDING]
+    marks = [(i, _first_line(c)) for i, c in enumerate(cells)
+             if c.cell_type == "markdown" and _first_line(c) in ENDING]
     assert [h for _, h in marks] == list(ENDING), \
-        f"{path.name}: needs markdown cells opening with {ENDING} once each, in this order; found {[h for _, h in marks]}"
+        (f"{path.name}: needs markdown cells opening with {ENDING} once each, in this order; "
+         f"found {[h for _, h in marks]}")
     first, last = marks[0][0], marks[-1][0]
     assert all(c.cell_type == "markdown" for c in cells[first:last]), \
         f"{path.name}: only markdown between '## Summary' and '### Worked solutions'"
     after = cells[last + 1:]
     assert any(c.cell_type == "code" and c.source.strip() for c in after), \
         f"{path.name}: the worked solutions are code cells after '### Worked solutions'"
-    later = [_first_line(c) for c in after if c.cell_type == "markdown" and _first_line(c).startswith(("# ", "## "))]
+    later = [_first_line(c) for c in after
+             if c.cell_type == "markdown" and _first_line(c).startswith(("# ", "## "))]
     assert not later, f"{path.name}: a new section after the worked solutions: {later}"
     questions = cells[marks[1][0]].source.split("<details>")[0]
     n = len(re.findall(r"^\s*\d+\.\s", questions, re.MULTILINE))
@@ -110,7 +114,8 @@ def test_the_chinese_heading_is_the_chapters(path):
     nb = nbformat.read(path, as_version=4)
     head = "\n".join(nb.cells[0].source.strip().splitlines()[:3])
     assert CHAPTER_HEADINGS[path.name[:3]] in head, \
-        f"{path.name}: the first cell's Chinese heading must be the chapter's, '{CHAPTER_HEADINGS[path.name[:3]]}'"
+        (f"{path.name}: the first cell's Chinese heading must be the chapter's, "
+         f"'{CHAPTER_HEADINGS[path.name[:3]]}'")
 
 
 def test_a_commit_hook_keeps_outputs_out():

@@ -58,7 +58,8 @@ def test_one_prefill_token_is_a_decode_step(name, L):
     cfg = PRESETS[name]
     assert pf.prefill_flops(cfg, 1, start=L - 1) == rf.decode_step_flops(cfg, 1, L)
     # the decode formula leaves out the one K/V the step writes
-    assert pf.prefill_bytes(cfg, 2, 1, start=L - 1) == rf.decode_step_bytes(cfg, 2, 1, L) + cfg.kv_bytes_per_token(2)
+    assert (pf.prefill_bytes(cfg, 2, 1, start=L - 1)
+            == rf.decode_step_bytes(cfg, 2, 1, L) + cfg.kv_bytes_per_token(2))
 
 
 def test_llama_8b_prefill_by_hand():
@@ -147,7 +148,8 @@ def result(llm):
 def test_rows_are_well_formed_with_consistent_units(result, llm):
     cfg, bw, peak = llm.model.config, result.ceilings["bandwidth"], result.ceilings["peak_flops"]
     assert result.ridge_point == pytest.approx(peak / bw)
-    assert [r.tokens for r in result.prefill] == [16, 64, 128] and [r.batch for r in result.decode] == [1, 2, 4]
+    assert ([r.tokens for r in result.prefill] == [16, 64, 128]
+            and [r.batch for r in result.decode] == [1, 2, 4])
     for r in result.prefill + result.decode:
         assert r.status == "ok", r.status
         assert len(r.time_ms) == 2                           # repeats (prefill), steps (decode)
@@ -167,7 +169,8 @@ def test_rows_are_well_formed_with_consistent_units(result, llm):
         assert r.ttft_ms_median >= r.served_ms_median       # TTFT holds the prefill
     for r in result.decode:
         assert (r.tokens, r.context) == (r.batch, 32)
-        assert r.flops == rf.decode_step_flops(cfg, r.batch, 32) and r.bytes == rf.decode_step_bytes(cfg, 4, r.batch, 32)
+        assert (r.flops == rf.decode_step_flops(cfg, r.batch, 32)
+                and r.bytes == rf.decode_step_bytes(cfg, 4, r.batch, 32))
     assert result.settings["prefix_caching"] is False and result.load["cores"] >= 1
     assert "prefill" in result.table() and "ridge point" in result.table()
 
@@ -179,7 +182,8 @@ def test_result_round_trips_through_json(result, tmp_path):
     assert back.to_dict() == json.loads(p.read_text())
     assert [r.tokens for r in back.prefill] == [16, 64, 128]
     ratio = pf.cost_ratio(back)
-    assert ratio["decode_b1_over_prefill"] == pytest.approx(result.decode[0].ms_per_token / result.prefill[-1].ms_per_token)
+    assert ratio["decode_b1_over_prefill"] == pytest.approx(result.decode[0].ms_per_token
+                                                            / result.prefill[-1].ms_per_token)
     assert pd.prefill_time_ms(back, 64) == result.prefill[1].time_ms_median
     assert min(r.time_ms_median for r in result.prefill[1:]) <= pd.prefill_time_ms(back, 100) <= \
         max(r.time_ms_median for r in result.prefill[1:])
@@ -314,7 +318,8 @@ def test_command_line_writes_a_reference_the_figure_can_draw(tmp_path):
     assert [r["tokens"] for r in ref["roofline"]["prefill"]] == [16, 32]
     assert ref["roofline"]["command"].startswith("python -m minillm prefill-decode")
     tr = ref["tradeoff"]
-    assert tr["prefill_first"]["policy"] == "prefill-first" and [r["budget"] for r in tr["chunked"]] == [32, 64]
+    assert (tr["prefill_first"]["policy"] == "prefill-first"
+            and [r["budget"] for r in tr["chunked"]] == [32, 64])
     assert len(tr["prefill_first"]["stalled"]) == 2              # one stalled gap per decoder
     assert all(r["stalled"] == [] for r in tr["chunked"])
     # a learner's run drawn over the reference

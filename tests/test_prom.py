@@ -137,10 +137,12 @@ def test_every_dashboard_series_is_exposed_with_model_name():
     for name in LEGACY_DASHBOARD_SERIES:
         assert name not in samples, f"{name} is deprecated in vLLM: only with legacy_names=True"
     # the module's own list (for the README and the server) says the same as the dashboard
-    assert {n for n in DASHBOARD_NAMES} == {s.removesuffix("_bucket").removesuffix("_sum").removesuffix("_count")
-                                            for s in DASHBOARD_SERIES}
-    assert set(LEGACY_DASHBOARD_NAMES) == {s.removesuffix("_bucket").removesuffix("_sum").removesuffix("_count")
-                                           for s in LEGACY_DASHBOARD_SERIES}
+    assert ({n for n in DASHBOARD_NAMES}
+            == {s.removesuffix("_bucket").removesuffix("_sum").removesuffix("_count")
+                for s in DASHBOARD_SERIES})
+    assert (set(LEGACY_DASHBOARD_NAMES)
+            == {s.removesuffix("_bucket").removesuffix("_sum").removesuffix("_count")
+                for s in LEGACY_DASHBOARD_SERIES})
 
 
 def test_legacy_dashboard_series_with_legacy_names():
@@ -151,8 +153,8 @@ def test_legacy_dashboard_series_with_legacy_names():
     for name in DASHBOARD_SERIES + LEGACY_DASHBOARD_SERIES:
         assert name in samples, name
     # the old names carry the same observations as the new ones, as in vLLM
-    assert buckets(samples, "vllm:time_per_output_token_seconds") == buckets(samples,
-                                                                             "vllm:inter_token_latency_seconds")
+    assert (buckets(samples, "vllm:time_per_output_token_seconds")
+            == buckets(samples, "vllm:inter_token_latency_seconds"))
     assert value(samples, "vllm:time_per_output_token_seconds_sum") == pytest.approx(0.110, abs=1e-12)
     assert value(samples, "vllm:gpu_cache_usage_perc") == value(samples, "vllm:kv_cache_usage_perc") == 0.25
 

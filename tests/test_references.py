@@ -36,7 +36,8 @@ def test_the_h200_roofline_reference_is_a_real_gpu_run():
     # what the README and notebooks quote: 163.6 tok/s = 60 % of the bound at batch 1, no knee
     assert round(ok[1]["per_request_tok_s"], 1) == 163.6 and round(100 * ok[1]["pct_of_bound"]) == 60
     assert r["measured_knee"] is None
-    assert all(ok[a]["aggregate_tok_s"] < ok[b]["aggregate_tok_s"] for a, b in zip(sorted(ok), sorted(ok)[1:]))
+    assert all(ok[a]["aggregate_tok_s"] < ok[b]["aggregate_tok_s"]
+               for a, b in zip(sorted(ok), sorted(ok)[1:]))
     assert describe_run(r)
 
 
@@ -55,7 +56,8 @@ def test_the_h200_prefill_decode_and_outside_references_load():
 def test_the_h200_readme_names_every_drawn_file_and_its_run():
     text = (H200 / "README.md").read_text()
     drawn = sorted(p.name for p in H200.iterdir() if p.is_file() and p.suffix in (".json", ".csv", ".png"))
-    assert drawn and all(name.removesuffix(".csv").removesuffix(".json") in text or name in text for name in drawn)
+    assert drawn and all(name.removesuffix(".csv").removesuffix(".json") in text or name in text
+                         for name in drawn)
     for run in sorted((H200 / "raw").iterdir()):
         assert run.name in text and (run / "provenance.txt").exists() and (run / "gpu-check.log").exists()
         assert "NVIDIA H200" in (run / "provenance.txt").read_text()

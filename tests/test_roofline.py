@@ -317,7 +317,8 @@ def test_roofline_cli_with_a_checkpoint_directory_writes_json_csv_and_figure(tmp
     data = json.loads(jp.read_text())
     assert data["model"] == str(ckpt) and [b["status"] for b in data["batches"]] == ["ok", "ok"]
     assert len(cp.read_text().strip().splitlines()) == 3
-    assert (figs / "10-3-decode-roofline.png").stat().st_size > 1000 and (figs / "10-3-decode-roofline.svg").exists()
+    assert ((figs / "10-3-decode-roofline.png").stat().st_size > 1000
+            and (figs / "10-3-decode-roofline.svg").exists())
 
 
 def test_a_sweep_that_cannot_write_says_so_before_it_starts(tmp_path, monkeypatch, capsys):

@@ -175,7 +175,8 @@ def test_503_when_the_queue_is_full_then_recovers(strict):
     # leaving the `with` hung up both streams: their slots and queue places must come back
     stats = wait_idle(strict)
     assert stats["free_slots"] == stats["num_slots"]
-    aborted = [t for t in strict.traces() if t.last("finished") and t.last("finished").extra.get("reason") == "disconnected"]
+    aborted = [t for t in strict.traces()
+               if t.last("finished") and t.last("finished").extra.get("reason") == "disconnected"]
     assert len(aborted) >= 2
     assert all(any(e.event == "finished" and e.extra.get("reason") == "abort" for e in t) for t in aborted)
 

@@ -437,7 +437,8 @@ UNSUPPORTED = [("logit_bias", {"50256": -100}, {}), ("presence_penalty", 0.5, 0)
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
 @pytest.mark.parametrize("field,bad,neutral", UNSUPPORTED, ids=[u[0] for u in UNSUPPORTED])
-def test_unsupported_fields_are_refused_by_name_and_neutral_values_accepted(server, chat, field, bad, neutral):
+def test_unsupported_fields_are_refused_by_name_and_neutral_values_accepted(server, chat, field, bad,
+                                                                            neutral):
     path = "/v1/chat/completions" if chat else "/v1/completions"
     base = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
     base["max_tokens"] = 2
@@ -641,8 +642,8 @@ def test_metrics_in_prometheus_text(server):
         time.sleep(0.05)
     assert sample(after, "vllm:prompt_tokens_total") >= sample(before, "vllm:prompt_tokens_total") + n_prompt
     assert sample(after, "vllm:generation_tokens_total") >= sample(before, "vllm:generation_tokens_total") + 6
-    assert sample(after, "vllm:prefix_cache_queries_total") >= sample(before,
-                                                                      "vllm:prefix_cache_queries_total") + n_prompt
+    assert (sample(after, "vllm:prefix_cache_queries_total")
+            >= sample(before, "vllm:prefix_cache_queries_total") + n_prompt)
     assert sample(after, "vllm:num_requests_running") >= 0
     # no key needed (like vLLM), and nothing secret in it
     text = httpx.get(server.url + "/metrics").text
@@ -757,7 +758,8 @@ def test_docs_and_openapi(server):
         assert path in paths, path
     def schema(p):
         return paths[p]["post"]["requestBody"]["content"]["application/json"]["schema"]
-    assert "prompt" in schema("/v1/completions")["properties"] and "prompt" in schema("/v1/completions")["required"]
+    assert ("prompt" in schema("/v1/completions")["properties"]
+            and "prompt" in schema("/v1/completions")["required"])
     assert "messages" in schema("/v1/chat/completions")["properties"]
     for p in ("max_tokens", "temperature", "top_p", "stream", "logprobs", "min_tokens"):
         assert p in schema("/v1/completions")["properties"], p

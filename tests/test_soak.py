@@ -201,5 +201,6 @@ def test_soak_leaks_nothing(server):
     growth = rss_mb() - rss0
     print(f"\nsoak: {N_WARMUP} warm-up + {N_STREAMS} streams ({len(hung)} hung up) + {N_SHORT} short "
           f"requests in {t_load:.1f} s; RSS {rss0:.0f} MB after warm-up, growth {growth:+.1f} MB (bound "
-          f"{RSS_BOUND_MB} MB); trace store {st['bytes']} B in {st['traces']} traces, {st['dropped']} dropped")
+          f"{RSS_BOUND_MB} MB); trace store {st['bytes']} B in {st['traces']} traces, "
+          f"{st['dropped']} dropped")
     assert growth < RSS_BOUND_MB, f"RSS grew by {growth:.0f} MB"

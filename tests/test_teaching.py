@@ -23,8 +23,10 @@ def test_no_notebook_picks_a_gpu_spec_by_a_name_prefix():
     # "H200" matches the NVL card first in the spec table (B* ≈ 174), the calculator means the SXM (≈ 206)
     for path in NOTEBOOKS:
         code = _code(path)
-        assert not re.search(r"startswith\(\s*[\"']H\d", code), f"{path.name}: select a GPU by its exact spec name"
-        assert "GPU_SPECS if" not in code, f"{path.name}: select a GPU by its exact spec name (calculator.gpu_spec)"
+        assert not re.search(r"startswith\(\s*[\"']H\d", code), \
+            f"{path.name}: select a GPU by its exact spec name"
+        assert "GPU_SPECS if" not in code, \
+            f"{path.name}: select a GPU by its exact spec name (calculator.gpu_spec)"
 
 
 def test_notebook_03_selects_the_h200_sxm():

@@ -26,7 +26,8 @@ def test_default_tokenizer_shape(tok):
 
 
 @pytest.mark.parametrize("text",
-                         ["def f(x):\n    return x + 1", "你好，世界！推理请求的生命周期", "emoji 🚀 ok", "\t  spaces  "])
+                         ["def f(x):\n    return x + 1", "你好，世界！推理请求的生命周期", "emoji 🚀 ok",
+                          "\t  spaces  "])
 def test_round_trip(tok, text):
     assert tok.decode(encode_prompt(tok, text)) == text
 
@@ -38,7 +39,8 @@ def test_some_chinese_character_spans_several_tokens(tok):
     assert any("\ufffd" in p for p in pieces)
 
 
-@pytest.mark.parametrize("text", ["屋顶线模型的脊点与算术强度，龘靐齉", "mixed 中文 and code: x = 1  # 注释", "🚀🚀 ok"])
+@pytest.mark.parametrize("text", ["屋顶线模型的脊点与算术强度，龘靐齉", "mixed 中文 and code: x = 1  # 注释",
+                                  "🚀🚀 ok"])
 def test_incremental_detokenizer_never_breaks_a_character(tok, text):
     d = IncrementalDetokenizer(tok)
     deltas = [d.push(i) for i in tok.encode(text)] + [d.flush()]

@@ -238,7 +238,8 @@ def test_figures_are_written(tmp_path, stall_run, workload_run, tiny_llm):
     # the data each figure was drawn from, beside it
     itl = json.loads((tmp_path / "data" / "10-2-itl-distribution.json").read_text())
     ttft = json.loads((tmp_path / "data" / "10-2-ttft-breakdown.json").read_text())
-    assert len(itl["traces"]) == len(stall_run.traces) and len(ttft["requests"]) == len(workload_run[1].metrics)
+    assert (len(itl["traces"]) == len(stall_run.traces)
+            and len(ttft["requests"]) == len(workload_run[1].metrics))
 
 
 def test_itl_figure_marks_the_metrics_mean_and_p99(stall_run):

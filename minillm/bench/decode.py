@@ -141,7 +141,8 @@ def to_transformers(model) -> torch.nn.Module:
         hf = cls(hf_cfg)
     # hf_state_dict: Hugging Face's names; the fused q/k/v and gate/up weights as views of their rows
     res = hf.load_state_dict(model.hf_state_dict(), strict=False, assign=True)
-    missing = [k for k in res.missing_keys if "rotary_emb" not in k and not (c.tie_word_embeddings and k == "lm_head.weight")]
+    missing = [k for k in res.missing_keys
+               if "rotary_emb" not in k and not (c.tie_word_embeddings and k == "lm_head.weight")]
     if missing or res.unexpected_keys:   # a renamed key would stay on the meta device and fail later
         raise ValueError(f"weights do not map onto transformers' model: missing {missing[:3]}, "
                          f"unexpected {res.unexpected_keys[:3]}")

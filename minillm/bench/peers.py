@@ -205,7 +205,8 @@ def llama_cpp_unavailable() -> str | None:
     try:
         import gguf  # noqa: F401
     except Exception as e:
-        missing.append(f"the gguf package, which converts the weights, is not importable ({type(e).__name__})")
+        missing.append(f"the gguf package, which converts the weights, is not importable "
+                       f"({type(e).__name__})")
     if not missing:
         return None
     return ("; ".join(missing) + ". Install both with `pip install -e \".[peers]\"` "
@@ -505,7 +506,8 @@ def run_peers(model: str = "cpu-small", device: str | None = None, dtype: str | 
                     res.status = f"failed in round {r + 1}: {type(ex).__name__}: {ex}"
             if progress:
                 print(f"round {r + 1}/{rounds}: " + ", ".join(
-                    f"{n} {p.samples_tok_s[-1]:.1f}" for n, p in results.items() if p.status == "ok" and p.samples_tok_s),
+                    f"{n} {p.samples_tok_s[-1]:.1f}" for n, p in results.items()
+                    if p.status == "ok" and p.samples_tok_s),
                       file=sys.stderr)
     finally:
         for e in candidates:

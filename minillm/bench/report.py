@@ -25,7 +25,8 @@ class MissingReportFields(ValueError):
     def __init__(self, missing: list[str]):
         self.missing = missing
         super().__init__("the report is incomplete, so its numbers cannot be compared with anyone's: missing "
-                         + ", ".join(missing) + " (state them, e.g. --hardware 'H200 SXM', --parallel 'tp=1')")
+                         + ", ".join(missing)
+                         + " (state them, e.g. --hardware 'H200 SXM', --parallel 'tp=1')")
 
 
 @dataclass

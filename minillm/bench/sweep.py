@@ -170,7 +170,8 @@ def measure_batch(engine, batch: int, context: int, warmup: int, steps: int, use
 def _fill_derived(r: BatchResult, cfg, nbytes: int, bw: float, peak: float) -> None:
     r.forward_ms_median = statistics.median(r.forward_ms)
     r.engine_ms_median = statistics.median(r.engine_ms)
-    q = statistics.quantiles(r.forward_ms, n=10, method="inclusive") if len(r.forward_ms) > 1 else [r.forward_ms[0]] * 9
+    q = (statistics.quantiles(r.forward_ms, n=10, method="inclusive") if len(r.forward_ms) > 1
+         else [r.forward_ms[0]] * 9)
     r.forward_ms_p10, r.forward_ms_p90 = q[0], q[-1]
     step_s = r.forward_ms_median / 1e3
     r.per_request_tok_s = 1 / step_s
@@ -186,7 +187,8 @@ def _fill_derived(r: BatchResult, cfg, nbytes: int, bw: float, peak: float) -> N
         r.served_ms_median = statistics.median(r.served_ms)
         r.served_aggregate_tok_s = r.batch / (r.served_ms_median / 1e3)
         kv = cfg.kv_bytes_per_token(nbytes)
-        r.served_bytes_per_step = rf.weight_bytes_per_step(cfg, nbytes, r.batch) + 3 * r.batch * r.served_max_context * kv
+        r.served_bytes_per_step = (rf.weight_bytes_per_step(cfg, nbytes, r.batch)
+                                   + 3 * r.batch * r.served_max_context * kv)
         r.served_gap = r.served_ms_median / r.engine_ms_median
 
 
@@ -246,8 +248,8 @@ def run_sweep(model: str | None = None, device: str | None = None, dtype: str | 
     choice = prepare_matmuls(m, mode)
     matmul = {"mode": mode, "choose_s": time.perf_counter() - t_choose,
               "choice": choice.to_dict() if choice is not None else None,
-              "why": " (--enforce-eager)" if enforce_eager else "" if choice else " (no choice on "
-                                                                                  f"{dev.type})"}
+              "why": (" (--enforce-eager)" if enforce_eager
+                      else "" if choice else f" (no choice on {dev.type})")}
     if choice is not None and progress:
         print(choice.summary(), file=sys.stderr)
     results: list[BatchResult] = []

@@ -155,7 +155,8 @@ class SweepResult(RunProvenance):
                 "served_max_context", "served_gap", "per_request_tok_s",
                 "aggregate_tok_s", "engine_aggregate_tok_s", "achieved_bw", "mbu", "mfu", "bound_tok_s",
                 "pct_of_bound"]
-        lines = [",".join(cols)] + [",".join("" if getattr(b, c) is None else str(getattr(b, c)) for c in cols)
+        lines = [",".join(cols)] + [",".join("" if getattr(b, c) is None else str(getattr(b, c))
+                                             for c in cols)
                                     for b in self.batches]
         cp.write_text("\n".join(lines) + "\n")
         return jp, cp
@@ -251,8 +252,9 @@ def describe_run(result: dict, tol: float = 0.10) -> list[str]:
         peak = result.get("ceilings", {}).get("peak_flops")
         if cfg is not None and peak:
             L = result["context"]
-            row_flops = (rf.decode_step_flops(cfg, b_s["batch"], L) - rf.decode_step_flops(cfg, b1["batch"], L)) \
-                / (b_s["batch"] - b1["batch"])
+            row_flops = ((rf.decode_step_flops(cfg, b_s["batch"], L)
+                          - rf.decode_step_flops(cfg, b1["batch"], L))
+                         / (b_s["batch"] - b1["batch"]))
             pred_ms = row_flops / peak * 1e3
             if per_row_ms <= 0:
                 out.append(f"Between batch {b1['batch']} and {b_s['batch']} the step did not get longer "
@@ -277,6 +279,7 @@ def describe_run(result: dict, tol: float = 0.10) -> list[str]:
                    f"batches {b1['batch']}–{last['batch']}.")
     noisy = noisy_batches(result)
     if noisy:
-        out.append("Noisy rows (marked on the figure): " + ", ".join(f"batch {b} ×{s:.1f}" for b, s in noisy.items())
+        out.append("Noisy rows (marked on the figure): "
+                   + ", ".join(f"batch {b} ×{s:.1f}" for b, s in noisy.items())
                    + ": rerun before reading them closely.")
     return out

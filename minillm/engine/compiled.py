@@ -68,7 +68,8 @@ def compile_unavailable(device: torch.device | str) -> str | None:
     except Exception as e:                    # a broken or partial install
         return f"TorchDynamo is unavailable ({type(e).__name__}: {e})"
     if dev.type == "cpu" and _cxx_compiler() is None:
-        return "Inductor compiles C++ on a CPU, and no C++ compiler (g++, c++, clang++ or $CXX) is on the PATH"
+        return ("Inductor compiles C++ on a CPU, and no C++ compiler (g++, c++, clang++ or $CXX) "
+                "is on the PATH")
     if dev.type == "cuda":
         try:
             import triton  # noqa: F401

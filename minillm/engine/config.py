@@ -97,8 +97,10 @@ class EngineConfig:
             if hints[f.name] is bool:
                 g.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
                 continue
-            kind = next(t for t in (typing.get_args(hints[f.name]) or (hints[f.name],)) if t is not type(None))
-            metavar = "{" + ",".join(POLICIES) + "}" if f.name == "scheduling_policy" else kind.__name__.upper()
+            kind = next(t for t in (typing.get_args(hints[f.name]) or (hints[f.name],))
+                        if t is not type(None))
+            metavar = ("{" + ",".join(POLICIES) + "}" if f.name == "scheduling_policy"
+                       else kind.__name__.upper())
             g.add_argument(flag, type=kind, default=None, metavar=metavar, help=help_)
 
     @classmethod

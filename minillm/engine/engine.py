@@ -126,7 +126,8 @@ class LLMEngine:
         if isinstance(prompt, str):
             ids = encode_prompt(self.tokenizer, prompt)
             text = prompt
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        elif (isinstance(prompt, (list, tuple))
+              and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
             ids, text = list(prompt), None
         else:
             raise RequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
@@ -147,7 +148,8 @@ class LLMEngine:
                                f"for the output")
         bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
         if bad:
-            raise RequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.config.vocab_size})")
+            raise RequestError(f"token ids {bad[:5]} are outside the vocabulary "
+                               f"[0, {self.config.vocab_size})")
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, trace: Trace | None = None) -> str:

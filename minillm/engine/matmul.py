@@ -216,7 +216,8 @@ class MatmulChoice(Result):
         for way, by_rows in self.attention_us.items():
             mark = " *" if way == self.attention else ""
             lines.append(f"{'attention':<16}{way + mark:<21}"
-                         + "".join(f"{by_rows.get(str(r), float('nan')) / 1e3:>9.3f}" for r in self.row_counts))
+                         + "".join(f"{by_rows.get(str(r), float('nan')) / 1e3:>9.3f}"
+                                   for r in self.row_counts))
         lines.append("(ms per weight, attention ms per layer at 256 cached tokens, median; * the chosen one: "
                      "the least geometric mean of time ÷ the best at each row count)")
         return "\n".join(lines)

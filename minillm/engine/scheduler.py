@@ -95,7 +95,8 @@ class Scheduler:
             n = min(seq.num_to_compute, budget)
             batch.rows.append((seq, n))
             budget -= n
-        while budget > 0 and self.waiting and self.allocator.num_free and len(self.running) < self.max_batch_size:
+        while (budget > 0 and self.waiting and self.allocator.num_free
+               and len(self.running) < self.max_batch_size):
             seq = self.waiting[0]
             self._admit(seq)
             n = min(seq.num_to_compute, budget)

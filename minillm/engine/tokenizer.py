@@ -72,7 +72,8 @@ def apply_chat(tokenizer, messages: list[dict]) -> str:
     """Chat messages → one prompt string, through the tokenizer's chat template (the default
     tokenizer ships a ChatML-style one). Tokenizers without a template get a plain format."""
     for m in messages:
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+        if (not isinstance(m, dict) or not isinstance(m.get("role"), str)
+                or not isinstance(m.get("content"), str)):
             raise ValueError("each message must be an object with string 'role' and 'content'")
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -154,7 +154,8 @@ def run_graphs_comparison(models: tuple[str, ...] | list[str] = ("tiny", "llama-
                     torch.cuda.empty_cache()
                 rows.append(row)
                 if progress:
-                    print(f"  {name} B={B} {mode}: " + (f"{row.tok_s:.1f} tok/s" if row.status == "ok" else row.status),
+                    print(f"  {name} B={B} {mode}: "
+                          + (f"{row.tok_s:.1f} tok/s" if row.status == "ok" else row.status),
                           flush=True)
         del m
         torch.cuda.empty_cache()

@@ -85,7 +85,9 @@ class HttpCost:
         lines = [f"HTTP + JSON + SSE — {self.model} on {self.hardware} (bench-http, server in a {self.mode}, "
                  f"{self.n_requests} requests per side, {self.max_tokens} tokens each)",
                  f"{'':<34}{'in process':>12}{'over HTTP':>12}{'added p50':>12}{'added p99':>12}{'share':>9}",
-                 f"{'per request: TTFT (ms)':<34}{self.ttft_inproc_ms:>12.3f}{self.ttft_http_ms:>12.3f}{self.per_request_ms:>12.3f}{self.per_request_p99_ms:>12.3f}{100 * self.share_of_ttft:>8.1f}%",
+                 f"{'per request: TTFT (ms)':<34}{self.ttft_inproc_ms:>12.3f}{self.ttft_http_ms:>12.3f}"
+                 f"{self.per_request_ms:>12.3f}{self.per_request_p99_ms:>12.3f}"
+                 f"{100 * self.share_of_ttft:>8.1f}%",
                  f"{'per token: ITL (ms)':<34}{self.itl_inproc_ms:>12.3f}{self.itl_http_ms:>12.3f}"
                  f"{self.per_token_ms:>12.3f}{self.per_token_p99_ms:>12.3f}{100 * self.share_of_itl:>8.1f}%"]
         if self.sse_json_us is not None:

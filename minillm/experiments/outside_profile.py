@@ -85,7 +85,8 @@ class StepProfile:
     def summary(self) -> str:
         plain = f" (plain steps {self.plain_step_ms:.3f} ms; the profiler's own cost is the difference)" \
             if self.plain_step_ms is not None else ""
-        kern = f"; {self.kernels_per_step:.0f} kernels ran per step" if self.kernels_per_step is not None else ""
+        kern = (f"; {self.kernels_per_step:.0f} kernels ran per step" if self.kernels_per_step is not None
+                else "")
         return (f"device busy {100 * self.device_busy:.1f} % of wall: {self.device_ms / self.n_steps:.3f} ms "
                 f"of {self.device_work} in a {self.profiled_step_ms:.3f} ms profiled "
                 f"step{plain}\n{self.launches_per_step:.0f} {self.launch_kind} per "
@@ -143,7 +144,8 @@ def analyse_events(events, n_steps: int, wall_ms: float, on_gpu: bool, top: int 
         counted = {n: n not in NON_COMPUTE_OPS for n in by_name}
         device_us = sum(us for n, (_, us) in by_name.items() if counted[n])
         # called from Python: an ATen op whose caller is not another ATen op
-        launches = sum(1 for e in aten if not (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")))
+        launches = sum(1 for e in aten
+                       if not (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")))
         kernels_per_step = None
     ops = [OpRow(n, c / n_steps, us / 1e3 / n_steps, us / 1e3 / wall_ms, counted[n])
            for n, (c, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]]

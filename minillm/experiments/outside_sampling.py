@@ -120,7 +120,8 @@ class SamplingRow:
     def __post_init__(self) -> None:
         if self.ms and not self.ms_median:
             self.ms_median = statistics.median(self.ms)
-            q = statistics.quantiles(self.ms, n=10, method="inclusive") if len(self.ms) > 1 else [self.ms[0]] * 9
+            q = (statistics.quantiles(self.ms, n=10, method="inclusive") if len(self.ms) > 1
+                 else [self.ms[0]] * 9)
             self.ms_p10, self.ms_p90 = q[0], q[-1]
             self.us_per_row = self.ms_median * 1e3 / self.batch
 
@@ -141,7 +142,8 @@ class SamplingBench(Result):
     versions: dict[str, str] = field(default_factory=dict)
 
     def get(self, method: str, batch: int, vocab: int, impl: str = "batched") -> SamplingRow | None:
-        return next((r for r in self.rows if (r.impl, r.method, r.batch, r.vocab) == (impl, method, batch, vocab)),
+        return next((r for r in self.rows
+                     if (r.impl, r.method, r.batch, r.vocab) == (impl, method, batch, vocab)),
                     None)
 
     @property

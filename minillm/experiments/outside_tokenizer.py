@@ -124,7 +124,8 @@ class TokenizerBench(Result):
                     w = 10 if op == "encode" else 23 if "Stream" in op else 17
                     cells.append(f"{r.us_per_token_median:>{w}.2f}" if r else f"{'-':>{w}}")
                 enc = self.get(tk, text, "encode")
-                out.append(f"{tk[:23]:<24}{text:<9}{enc.chars_per_token if enc else float('nan'):>12.2f}" + "".join(cells))
+                out.append(f"{tk[:23]:<24}{text:<9}{enc.chars_per_token if enc else float('nan'):>12.2f}"
+                           + "".join(cells))
         return "\n".join(out)
 
 

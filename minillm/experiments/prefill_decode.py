@@ -160,7 +160,10 @@ class PrefillDecodeResult(RunProvenance):
             if not r.ok:
                 out.append(f"{r.phase:<8}{r.tokens:>7} {r.status}")
                 continue
-            out.append(f"{r.phase:<8}{r.tokens:>7}{r.time_ms_median:>10.2f}{r.ms_per_token:>9.3f}{r.tok_s:>10.0f}{r.intensity:>9.1f}{r.achieved_flops / 1e9:>10.1f}{r.achieved_bw / 1e9:>8.1f}{100 * r.mfu:>6.0f}%{100 * r.mbu:>6.0f}%{' *' if r.noisy else ''}")
+            out.append(f"{r.phase:<8}{r.tokens:>7}{r.time_ms_median:>10.2f}{r.ms_per_token:>9.3f}"
+                       f"{r.tok_s:>10.0f}{r.intensity:>9.1f}"
+                       f"{r.achieved_flops / 1e9:>10.1f}{r.achieved_bw / 1e9:>8.1f}"
+                       f"{100 * r.mfu:>6.0f}%{100 * r.mbu:>6.0f}%{' *' if r.noisy else ''}")
         ratio = cost_ratio(self)
         if ratio:
             out.append("one batch-1 decode token costs as much time as "

@@ -290,7 +290,8 @@ class BenchResult:
                     "chunks": [[t, n, text] for t, n, text in r.record.chunks]}
         cfg = asdict(self.config)
         cfg["api_key"] = "***" if cfg.get("api_key") else None        # never write a key to disk
-        cfg["request_rate"] = str(cfg["request_rate"]) if math.isinf(cfg["request_rate"]) else cfg["request_rate"]
+        cfg["request_rate"] = (str(cfg["request_rate"]) if math.isinf(cfg["request_rate"])
+                               else cfg["request_rate"])
         import platform
         import sys
 
@@ -339,7 +340,8 @@ class BenchResult:
         for k in self.config.percentile_metrics:
             lines.append("-" * 20 + f" {names[k]} " + "-" * 10)
             for stat, v in self.percentiles[k].items():
-                lines.append(f"{(stat.replace('p', 'P', 1) if stat.startswith('p') else stat.title()) + ' ' + k.upper() + ' (ms):':<{w}}{fmt(v)}")
+                # one replacement field padded as a whole: an f-string cannot break inside it
+                lines.append(f"{(stat.replace('p', 'P', 1) if stat.startswith('p') else stat.title()) + ' ' + k.upper() + ' (ms):':<{w}}{fmt(v)}")  # noqa: E501
         lines.append("=" * 66)
         return "\n".join(lines)
 

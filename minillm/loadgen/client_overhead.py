@@ -37,7 +37,8 @@ def stub_app():
     from starlette.responses import JSONResponse, StreamingResponse
     from starlette.routing import Route
 
-    chunk = 'data: {"id":"stub","object":"text_completion","choices":[{"index":0,"text":" ok","finish_reason":"length"}]}\n\n'
+    chunk = ('data: {"id":"stub","object":"text_completion",'
+             '"choices":[{"index":0,"text":" ok","finish_reason":"length"}]}\n\n')
     usage = ('data: {"id":"stub","object":"text_completion","choices":[],'
              '"usage":{"prompt_tokens":4,"completion_tokens":1,"total_tokens":5}}\n\n')
 

@@ -85,12 +85,16 @@ def _sharegpt_rows(path: str | Path, tokenizer, output_len: int | None) -> list[
         raise ValueError(f"{path}: a ShareGPT file is a JSON list of conversations")
     rows = []
     for conv in data:
-        turns = (conv.get("conversations") or conv.get("conversation") or []) if isinstance(conv, dict) else []
+        turns = ((conv.get("conversations") or conv.get("conversation") or []) if isinstance(conv, dict)
+                 else [])
         for a, b in zip(turns, turns[1:]):
-            if isinstance(a, dict) and isinstance(b, dict) and a.get("from") == "human" and b.get("from") == "gpt" \
-                    and isinstance(a.get("value"), str) and isinstance(b.get("value"), str) and a["value"].strip():
+            if (isinstance(a, dict) and isinstance(b, dict)
+                    and a.get("from") == "human" and b.get("from") == "gpt"
+                    and isinstance(a.get("value"), str) and isinstance(b.get("value"), str)
+                    and a["value"].strip()):
                 n_in = count_tokens(tokenizer, a["value"]) if tokenizer else len(a["value"].split())
-                n_out = output_len or (count_tokens(tokenizer, b["value"]) if tokenizer else len(b["value"].split()))
+                n_out = output_len or (count_tokens(tokenizer, b["value"]) if tokenizer
+                                       else len(b["value"].split()))
                 rows.append(BenchRequest(a["value"], max(1, n_out), n_in))
                 break
     if not rows:
@@ -104,7 +108,8 @@ def _jsonl_rows(path: str, tokenizer) -> list[BenchRequest]:
         for ln, line in enumerate(f, 1):
             if line.strip():
                 d = json.loads(line)
-                if not isinstance(d, dict) or not isinstance(d.get("prompt"), str) or not int(d.get("output_len", 0)) >= 1:
+                if (not isinstance(d, dict) or not isinstance(d.get("prompt"), str)
+                        or not int(d.get("output_len", 0)) >= 1):
                     raise ValueError(f"{path}:{ln}: need {{'prompt': str, 'output_len': int ≥ 1}}")
                 n_in = count_tokens(tokenizer, d["prompt"]) if tokenizer else len(d["prompt"].split())
                 rows.append(BenchRequest(d["prompt"], int(d["output_len"]), n_in))
@@ -136,7 +141,8 @@ def sample_requests(n: int, dataset: str = "random", input_len: int = 128, outpu
         raise ValueError(f"--num-prompts must be ≥ 0, got {n}")
     rng = np.random.default_rng(seed)
     prefix_rng = np.random.default_rng([seed,
-                                        nonce if nonce is not None else int.from_bytes(os.urandom(8), "little")])
+                                        nonce if nonce is not None
+                                        else int.from_bytes(os.urandom(8), "little")])
     if dataset in ("jsonl", "sharegpt"):
         if dataset == "jsonl" and not dataset_path:
             raise ValueError("--dataset-name jsonl needs --dataset-path")

@@ -67,7 +67,8 @@ def fetch_steps(base_url: str, api_key: str | None = None, limit: int = 10_000,
         if own:
             client.close()
     if r.status_code != 200:
-        return [], f"GET /v1/steps answered {r.status_code} (the step records need the admin key when one is set)"
+        return [], (f"GET /v1/steps answered {r.status_code} "
+                    "(the step records need the admin key when one is set)")
     return r.json().get("data", []), None
 
 

@@ -96,7 +96,8 @@ class LengthDist:
             return f"fixed {self.low}"
         if self.kind == "uniform":
             return f"uniform [{self.low}, {self.high}]"
-        return f"lognormal (median {self.median:g}, sigma {self.sigma:g}) clipped to [{self.low}, {self.high}]"
+        return (f"lognormal (median {self.median:g}, sigma {self.sigma:g}) "
+                f"clipped to [{self.low}, {self.high}]")
 
 
 def make_prompts(n: int, length_dist: LengthDist, seed: int = 0, vocab_size: int = DEFAULT_VOCAB,
@@ -472,8 +473,9 @@ class RateCheck:
     def line(self) -> str:
         if self.ratio is None:
             return f"offered {self.offered_rps:.2f} req/s: too few requests to compare with what was achieved"
-        growth = f"; median TTFT of the last third of arrivals ×{self.ttft_growth:.1f} that of the first third" \
-            if self.ttft_growth else ""
+        growth = (f"; median TTFT of the last third of arrivals ×{self.ttft_growth:.1f} "
+                  "that of the first third"
+                  if self.ttft_growth else "")
         verdict = ("the engine kept up" if self.kept_up else
                    "the engine did NOT keep up: requests arrived faster than it finished them, the queue "
                    "grew through the run, and every latency of this run includes that backlog")

@@ -85,7 +85,8 @@ class Diagnosis:
         lines = [f"verdict: {self.verdict}"]
         lines += [f"also: {f.headline}" for f in self.findings if f.fired and f.check != self.cause]
         lines += ["", f"requests: {self.n_completed} completed, {self.n_failed} failed, {self.n_aborted} "
-                      f"aborted ({self.n_traces} traces" + (f", {self.n_skipped} unreadable" if self.n_skipped else "")
+                      f"aborted ({self.n_traces} traces"
+                      + (f", {self.n_skipped} unreadable" if self.n_skipped else "")
                       + (f"; {self.n_steps} step records" if self.n_steps else "") + ")"]
         for f in self.findings:
             lines.append(f"{f.check}? {'YES' if f.fired else 'no'}")
@@ -133,7 +134,8 @@ def _step_scale(s: Summary, done: Sequence[RequestMetrics]) -> float:
     """One decode step's time (ITL p50); with no decode gaps, the median prefill instead."""
     if s.itl.count:
         return s.itl.p50
-    pre = sorted(m.breakdown.get("prefill", 0.0) + m.breakdown.get("first_token", 0.0) for m in done if m.breakdown)
+    pre = sorted(m.breakdown.get("prefill", 0.0) + m.breakdown.get("first_token", 0.0)
+                 for m in done if m.breakdown)
     return pre[len(pre) // 2] if pre else 0.0
 
 
@@ -284,8 +286,8 @@ def check_outside(done: Sequence[RequestMetrics], steps: Sequence[StepRecord], t
         split = host_device_split(steps)
         step_share = split["host_share"]
         shares = split["phase_share"]
-        host_phases = ", ".join(f"{p} {fmt_pct(shares[p])}" for p in sorted(OUTSIDE_PHASES,
-                                                                            key=lambda p: -shares[p]))
+        by_share = sorted(OUTSIDE_PHASES, key=lambda p: -shares[p])
+        host_phases = ", ".join(f"{p} {fmt_pct(shares[p])}" for p in by_share)
         evidence.append(f"steps: {fmt_pct(step_share)} of {len(steps)} steps' time on the host "
                         f"({host_phases}); device {split['device_ms']:.1f} ms of {split['wall_ms']:.1f} ms, "
                         f"from {split['device_from']}")

@@ -156,7 +156,8 @@ def check_stutter(done: Sequence[RequestMetrics], s: Summary, traces: Sequence[T
                            else " (from the traces' prefill events)"))
         worst = max(long, key=lambda g: g.gap_s)
         evidence.append(f"longest: {fmt_time(worst.gap_s)} in {worst.request_id} before token {worst.index}"
-                        + (f", holding the prefill of {', '.join(worst.prefills[:3])}" if worst.prefills else "")
+                        + (f", holding the prefill of {', '.join(worst.prefills[:3])}"
+                           if worst.prefills else "")
                         + (f"; {worst.prefill_steps} step(s) with {worst.prefill_tokens} prefill tokens "
                            "inside"
                            if worst.prefill_steps else ""))
@@ -179,7 +180,8 @@ def check_stutter(done: Sequence[RequestMetrics], s: Summary, traces: Sequence[T
         evidence.append("the long gaps hold no prefill: look at the host (sampling, detokenizing, the "
                         "server's event loop, the garbage collector, other processes on the machine; 10.5)")
     headline = (f"{STUTTERS}: {cause} (ITL p99 {fmt_time(itl.p99)} = {ratio:.1f}× p50 {fmt_time(itl.p50)}; "
-                + (f"garbage collection in {fmt_pct(ratio_or_inf(gc_s, lost))} of the long gaps' excess)" if cause == GC_CAUSE
+                + (f"garbage collection in {fmt_pct(ratio_or_inf(gc_s, lost))} of the long gaps' excess)"
+                   if cause == GC_CAUSE
                    else f"{n_pre} of {len(long)} long gaps hold another request's prefill)"))
     return Finding(STUTTERS, fired, cause if long else None, headline, lost, evidence,
                    {"itl_p50_s": itl.p50, "itl_p99_s": itl.p99, "itl_max_s": itl.max, "itl_ratio": ratio,

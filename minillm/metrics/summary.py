@@ -79,7 +79,8 @@ class SLO:
         return all(limit is None or value is None or value <= limit for limit, value in checks)
 
     def describe(self) -> str:
-        return ", ".join(f"{k[:-2].upper()} ≤ {v * 1e3:g} ms" for k, v in asdict(self).items() if v is not None)
+        return ", ".join(f"{k[:-2].upper()} ≤ {v * 1e3:g} ms"
+                         for k, v in asdict(self).items() if v is not None)
 
 
 

@@ -31,7 +31,8 @@ def weight_bytes_per_step(cfg: ModelConfig, dtype_bytes: int, batch: int) -> int
 
 
 def decode_step_bytes(cfg: ModelConfig, dtype_bytes: int, batch: int, context: int) -> int:
-    return weight_bytes_per_step(cfg, dtype_bytes, batch) + batch * context * cfg.kv_bytes_per_token(dtype_bytes)
+    kv = batch * context * cfg.kv_bytes_per_token(dtype_bytes)
+    return weight_bytes_per_step(cfg, dtype_bytes, batch) + kv
 
 
 def decode_step_flops(cfg: ModelConfig, batch: int, context: int) -> int:
@@ -242,7 +243,8 @@ def ceilings_line(c: dict) -> str:
              ] if c.get("read_bandwidth") else []
     copy = c.get("copy_bandwidth") or (bw if kind == "copy" else None)
     if copy:
-        parts.append(f"copy {copy / 1e9:.1f} GB/s (read + write" + (", the bound's)" if kind == "copy" else ")"))
+        bound = ", the bound's" if kind == "copy" else ""
+        parts.append(f"copy {copy / 1e9:.1f} GB/s (read + write{bound})")
     if peak:
         parts.append(f"matmul {peak / 1e12:.2f} TFLOP/s")
     return "ceilings (measured): " + ", ".join(parts)

@@ -66,8 +66,8 @@ def notebook_figures_dir(publish: bool = False, fast: bool = False, cwd: str | P
 
 
 def section_line(name: str) -> str | None:
-    """``"Figure 10-3 · 10.3 Back to the three formulas: … · 回到第一册的三个公式"`` for a chapter figure's
-    name (the Chinese heading only where a CJK font can draw it), None for any other name."""
+    """``"Figure 10-3 · 10.3 Back to the three formulas: … · 回到第一册的三个公式"`` for a chapter
+    figure's name (the Chinese heading only where a CJK font can draw it), None for any other name."""
     number = name[:4]
     section = number.replace("-", ".")
     if section not in SECTIONS:

@@ -10,8 +10,8 @@
 The stages telescope like :func:`minillm.metrics.definitions.ttft_breakdown` (each event closes a stage), so
 the bars of one request tile its life without gaps or overlaps::
 
-    received ─gateway─► admitted ─tokenize─► tokenized ─queue─► scheduled ─prefill─► first token
-             ─decode─► last token ─return─► response complete (server `finished`)
+  received ─gateway─► admitted ─tokenize─► tokenized ─queue─► scheduled ─prefill─► first token
+           ─decode─► last token ─return─► response complete (server `finished`)
 
 Input: :class:`~minillm.core.trace.Trace` objects, or the JSON of ``GET /v1/traces``
 (``{"request_id", "events": [{"event", "t_ns", ...}]}``), or a list of such event rows.

@@ -35,6 +35,11 @@ def _label(res: dict) -> str:
     return f"{res['model']} {res['dtype']} on {hw.get('name') or res.get('device')}"
 
 
+def _bw_kind(res: dict) -> str:
+    """Which bandwidth the roof uses: the read ceiling, or (older runs) the copy's read + write."""
+    return "(read)" if res["ceilings"].get("bandwidth_kind") == "read" else "(copy, read + write)"
+
+
 def _roof(ax, bw: float, peak: float, x0: float, x1: float, **kw) -> None:
     import numpy as np
     xs = np.logspace(math.log10(x0), math.log10(x1), 200)
@@ -64,12 +69,8 @@ def plot_roofline_prefill_decode(result: dict, references: list[dict] | None = N
                     mfc="none", ms=5, alpha=0.7)
         ax.plot([], [], "s", color=REF_C, mfc="none", label="reference points (○ decode, □ prefill)")
     _roof(ax, bw, peak, x0, x1, color="k", lw=1.6,
-          label=f"roofline: min(peak, I × BW); BW {bw / 1e9:.1f} GB/s "
-                + ("(read)" if res["ceilings"].get("bandwidth_kind") == "read" else "(copy, read + write)") + ", "
-                                                                                                              "peak "
-                                                                                                              f"{peak / 1e9:.0f} "
-                                                                                                              "GFLOP/s "
-                                                                                                              "(matmul)")
+          label=f"roofline: min(peak, I × BW); BW {bw / 1e9:.1f} GB/s {_bw_kind(res)}, "
+                f"peak {peak / 1e9:.0f} GFLOP/s (matmul)")
     ax.axvline(i_star, color="tab:red", ls=":", lw=1,
                label=f"ridge point I* = peak / BW = {i_star:.1f} FLOP/byte")
     ax.annotate(f"I* = {i_star:.1f}", (i_star, peak), xytext=(4, 6), textcoords="offset points", fontsize=8,

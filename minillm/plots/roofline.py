@@ -27,7 +27,8 @@ def plot_roofline(result: dict, references: list[dict] | None = None, ax=None,
     the formulas for ``llama-3.1-8b`` bf16 on datasheet GPUs, with ``published`` GPU measurements and
     the references of that model and dtype (this project's H200 run) as points."""
     import matplotlib.pyplot as plt
-    on_formula = [r for r in references or [] if _fits_formula_panel(r)] if formula_panel and ax is None else []
+    on_formula = ([r for r in references or [] if _fits_formula_panel(r)]
+                  if formula_panel and ax is None else [])
     references = [r for r in references or [] if not any(r is f for f in on_formula)]
     fax = None
     if ax is None and formula_panel:
@@ -109,7 +110,8 @@ def plot_roofline(result: dict, references: list[dict] | None = None, ax=None,
     if fax is None:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))   # outside: never hides a line
         return fig
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)   # below: the right is taken
+    # below the plot: the formula panel takes the right
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)
     plot_formula_panel(fax, published, on_formula)
     return fig
 
@@ -212,7 +214,8 @@ def _draw_formula_lines(ax, data: dict) -> None:
             ax.text(bstar / 1.06, y, f"B* ≈ {bstar:.0f}", color=color, fontsize=7, va="top", ha="right")
     ax.plot([], [], "--", color="0.4", label=f"dashed: + the KV read at L = {data['context']} per sequence")
     # where the two families of lines are, said on the plot (the legend has room for six entries)
-    ax.text(2.2, 2.2e4, "aggregate tok/s ≤ B × BW ÷ bytes per step", fontsize=7.5, rotation=0, color="0.25")
+    ax.text(2.2, 2.2e4, "aggregate tok/s ≤ B × BW ÷ bytes per step", fontsize=7.5, rotation=0,
+            color="0.25")
     ax.text(1.1, 14, "per-request tok/s: flat until B*, then falls", fontsize=7.5, color="0.25")
 
 
@@ -247,7 +250,8 @@ def _draw_measured_references(ax, refs: list[dict]) -> None:
         hw = ref.get("hardware", {}).get("name") or ref.get("device")
         ax.plot([b["batch"] for b in ok], [b["aggregate_tok_s"] for b in ok], "s-", color="tab:purple",
                 ms=4, lw=1, zorder=4,
-                label=f"this project's {hw} run (measured, L = {ref['context']}):\n  ■ aggregate, □ per request")
+                label=f"this project's {hw} run (measured, L = {ref['context']}):\n"
+                      "  ■ aggregate, □ per request")
         ax.plot([b["batch"] for b in ok], [b["per_request_tok_s"] for b in ok], "s-", color="tab:purple",
                 mfc="white", ms=4, lw=1, zorder=4)
 

@@ -132,7 +132,8 @@ def create_app(config: ServerConfig | ServingState | None = None, *, llm=None):
 
     @app.get("/health", responses={503: {"description": "draining (shutting down) or stopped",
                                          "content": {"application/json": {"schema": {
-                                             "type": "object", "properties": {"status": {"type": "string"}}}}}}})
+                                             "type": "object",
+                                             "properties": {"status": {"type": "string"}}}}}}})
     async def health():
         """Alive, draining (shutting down: a load balancer should stop sending) or stopped: no key,
         and nothing about the load (that is /metrics' job)."""

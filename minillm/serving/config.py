@@ -62,8 +62,9 @@ class _ServerOptions:
             raise ValueError(f"trace_store_bytes must be at least 65536, got {self.trace_store_bytes}")
         if self.port is not None and not 0 <= self.port <= 65535:   # before loading a model
             raise ValueError(f"port must be in 0..65535 (0: any free port), got {self.port}")
-        if not isinstance(self.shutdown_timeout_s, (int, float)) or isinstance(self.shutdown_timeout_s, bool) \
-                or not 0 <= self.shutdown_timeout_s < float("inf"):
+        if (not isinstance(self.shutdown_timeout_s, (int, float))
+                or isinstance(self.shutdown_timeout_s, bool)
+                or not 0 <= self.shutdown_timeout_s < float("inf")):
             raise ValueError("shutdown_timeout_s must be a number of seconds ≥ 0, got "
                              f"{self.shutdown_timeout_s!r}")
         for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):

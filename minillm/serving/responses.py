@@ -182,7 +182,8 @@ class Job:
         if self.chat:
             # the role rides on the first chunk that carries a token (vLLM's chat client takes TTFT
             # at the first chunk with choices: a role-only chunk sent before prefill would fake it)
-            d: dict[str, Any] = {"role": "assistant", "content": delta} if role else ({"content": delta} if delta else {})
+            d: dict[str, Any] = ({"role": "assistant", "content": delta} if role
+                                 else ({"content": delta} if delta else {}))
             choice = {"index": 0, "delta": d, "logprobs": lp, "finish_reason": finish_reason}
             obj = "chat.completion.chunk"
         else:

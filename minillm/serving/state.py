@@ -105,7 +105,8 @@ class ServingState:
         flight under it; the engine's id is the same unless another key's request holds it, and the
         client cannot tell which (another key's traffic is none of its business)."""
         with self._ids_lock:
-            visible = theirs if (key_id, theirs) not in self._client_ids else f"{theirs}-{uuid.uuid4().hex[:8]}"
+            visible = (theirs if (key_id, theirs) not in self._client_ids
+                       else f"{theirs}-{uuid.uuid4().hex[:8]}")
             self._client_ids.add((key_id, visible))
             internal = visible if visible not in self._ids_in_use else f"req-{uuid.uuid4().hex[:24]}"
             self._ids_in_use.add(internal)
@@ -135,7 +136,8 @@ class ServingState:
         add = True if add is None else add
         if not isinstance(add, bool):
             raise invalid("add_special_tokens", "'add_special_tokens' must be a boolean.")
-        ids = encode_prompt(self.tokenizer, text) if add else list(self.tokenizer.encode(text, add_special_tokens=False))
+        ids = (encode_prompt(self.tokenizer, text) if add
+               else list(self.tokenizer.encode(text, add_special_tokens=False)))
         return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
 
     def _check_model_field(self, body: dict) -> None:

@@ -75,7 +75,8 @@ class TraceStore:
             item.owner_seq = self._owner_seq[owner] = self._owner_seq.get(owner, 0) + 1
             self._items[item.seq] = item
             self.nbytes += item.nbytes
-            while len(self._items) > self.max_traces or (self.nbytes > self.max_bytes and len(self._items) > 1):
+            while (len(self._items) > self.max_traces
+                   or (self.nbytes > self.max_bytes and len(self._items) > 1)):
                 _, old = self._items.popitem(last=False)
                 self.nbytes -= old.nbytes
                 self.dropped += 1
@@ -94,7 +95,8 @@ class TraceStore:
         items = [it for it in items if it.cursor(reader) > after]
         if request_ids:
             want = set(request_ids)
-            items = [it for it in items if it.request_id in want or (reader == ADMIN and it.trace.request_id in want)]
+            items = [it for it in items
+                     if it.request_id in want or (reader == ADMIN and it.trace.request_id in want)]
         if limit is not None and len(items) > limit:
             return items[:limit], (items[limit - 1].cursor(reader) if limit > 0 else after)
         return items, None

@@ -122,7 +122,8 @@ def _message_content(content: Any, param: str) -> str:
         # The newer "content parts" form: [{"type": "text", "text": "..."}, ...]. Text only.
         texts = []
         for j, part in enumerate(content):
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            if not (isinstance(part, dict) and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)):
                 raise invalid(f"{param}[{j}]",
                               "Only text content parts ({'type': 'text', 'text': ...}) are supported.")
             texts.append(part["text"])
