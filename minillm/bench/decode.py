@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from minillm.core.device import dtype_bytes, dtype_name, synchronize
-from minillm.core.result import Result
+from minillm.core.result import Col, Result, text_table
 from minillm.hardware.machine import (
     decode_read_bytes,
     measure_copy_bandwidth,
@@ -62,6 +62,11 @@ def ceiling_lines(bytes_per_step: int, read_bw: float | None, copy_bw: float | N
     return out
 
 
+DECODE_COLUMNS = (Col("engine", 14, left=True), Col("tok/s", 9, ".1f"), Col("min–max", 15),
+                  Col("step ms", 10, ".2f"), Col("GB/s", 9, ".1f"), Col("% of read BW", 14),
+                  Col("% of copy BW", 14))
+
+
 @dataclass
 class DecodeReport(Result):
     model: str
@@ -82,13 +87,9 @@ class DecodeReport(Result):
         lines = [f"model {self.model} ({self.dtype}) on {self.device}; prompt {self.prompt_tokens} tokens, "
                  f"{self.new_tokens} new tokens, median of {self.repeats} runs (min–max beside it)",
                  *ceiling_lines(self.bytes_per_step, self.read_bw, self.copy_bw, self.step_read_bw),
-                 f"{'engine':<14}{'tok/s':>9}{'min–max':>15}{'step ms':>10}{'GB/s':>9}{'% of read BW':>14}"
-                 f"{'% of copy BW':>14}"]
-        for r in self.results:
-            lo, hi = r.spread
-            lines.append(f"{r.name:<14}{r.tok_s:>9.1f}{f'{lo:.1f}–{hi:.1f}':>15}{r.step_ms:>10.2f}"
-                         f"{r.achieved_bw / 1e9:>9.1f}{_pct(r.achieved_bw, self.read_bw):>14}"
-                         f"{_pct(r.achieved_bw, self.copy_bw):>14}")
+                 *text_table(DECODE_COLUMNS, ([r.name, r.tok_s, "{:.1f}–{:.1f}".format(*r.spread), r.step_ms,
+                                               r.achieved_bw / 1e9, _pct(r.achieved_bw, self.read_bw),
+                                               _pct(r.achieved_bw, self.copy_bw)] for r in self.results))]
         if len(self.results) == 2:
             a, b = self.results
             lines.append(f"{a.name} / {b.name} = {a.tok_s / b.tok_s:.2f}×")

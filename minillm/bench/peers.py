@@ -33,7 +33,7 @@ import torch
 
 from minillm.bench.decode import ceiling_lines
 from minillm.core.device import dtype_bytes, dtype_name, synchronize
-from minillm.core.result import Result
+from minillm.core.result import Col, Result, text_table
 from minillm.engine.gc_pauses import GC_CLOCK
 from minillm.hardware.machine import (
     decode_read_bytes,
@@ -66,6 +66,11 @@ class PeerResult:
     gc_ms: float = 0.0                      # Python's garbage collector inside the timed rounds, all together
 
 
+PEER_COLUMNS = (Col("engine", 22, left=True), Col("tok/s", 8, ".1f"), Col("min–max", 15),
+                Col("spread", 8, ".0f", "%"), Col("GB/s", 8, ".1f"), Col("% of read BW", 14, ".0f", "%"),
+                Col("same tokens", 13))
+
+
 @dataclass
 class PeerReport(Result):
     model: str
@@ -84,21 +89,19 @@ class PeerReport(Result):
     def get(self, name: str) -> PeerResult:
         return next(p for p in self.peers if p.name == name)
 
+    def _row(self, p: PeerResult) -> list:
+        if p.status != "ok":
+            return [p.name, p.status]
+        same = "—" if p.same_tokens is None else f"{p.same_tokens}/{self.new_tokens}"
+        return [p.name, p.tok_s, f"{p.tok_s_min:.1f}–{p.tok_s_max:.1f}", 100 * p.spread, p.achieved_bw / 1e9,
+                100 * p.pct_of_read_bw, same]
+
     def table(self) -> str:
-        n = self.new_tokens
         lines = [f"model {self.model} ({self.dtype}) on {self.device}; batch 1, prompt {self.prompt_tokens} "
                  f"tokens, {self.new_tokens} new tokens; {self.rounds} rounds, the engines interleaved "
                  f"(order rotated each round); {self.threads} threads each",
                  *ceiling_lines(self.bytes_per_step, self.read_bw, self.copy_bw, self.step_read_bw),
-                 f"{'engine':<22}{'tok/s':>8}{'min–max':>15}{'spread':>8}{'GB/s':>8}{'% of read BW':>14}"
-                 f"{'same tokens':>13}"]
-        for p in self.peers:
-            if p.status != "ok":
-                lines.append(f"{p.name:<22}{p.status}")
-                continue
-            lines.append(f"{p.name:<22}{p.tok_s:>8.1f}{f'{p.tok_s_min:.1f}–{p.tok_s_max:.1f}':>15}"
-                         f"{100 * p.spread:>7.0f}%{p.achieved_bw / 1e9:>8.1f}{100 * p.pct_of_read_bw:>13.0f}%"
-                         f"{'—' if p.same_tokens is None else f'{p.same_tokens}/{n}':>13}")
+                 *text_table(PEER_COLUMNS, (self._row(p) for p in self.peers))]
         for p in self.peers:
             if p.note and p.status == "ok":
                 lines.append(f"  {p.name}: {p.note}")
@@ -371,20 +374,15 @@ def write_gguf(model, path: str | Path, tokenizer=None) -> str:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_name(cfg.name)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_heads)
-    w.add_head_count_kv(cfg.num_kv_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_rope_dimension_count(cfg.head_dim)
-    w.add_rope_freq_base(cfg.rope_theta)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_vocab_size(cfg.vocab_size)
-    w.add_file_type(ftype)
+    # the model's shape, in llama.cpp's key names (gguf's GGUFWriter.add_<key>)
+    header = {"name": cfg.name, "context_length": cfg.max_position_embeddings,
+              "embedding_length": cfg.hidden_size, "block_count": cfg.num_layers,
+              "feed_forward_length": cfg.intermediate_size, "head_count": cfg.num_heads,
+              "head_count_kv": cfg.num_kv_heads, "key_length": cfg.head_dim, "value_length": cfg.head_dim,
+              "rope_dimension_count": cfg.head_dim, "rope_freq_base": cfg.rope_theta,
+              "layer_norm_rms_eps": cfg.rms_norm_eps, "vocab_size": cfg.vocab_size, "file_type": ftype}
+    for key, value in header.items():
+        getattr(w, f"add_{key}")(value)
     if tokenizer is None:
         from minillm.engine.tokenizer import load_tokenizer
         tokenizer = load_tokenizer(None)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, fields
-from typing import Any, ClassVar
+from dataclasses import asdict, dataclass, fields
+from typing import Any, ClassVar, Iterable, Sequence
 
 
 class Result:
@@ -26,6 +26,41 @@ class Result:
         if cls.row_type is not None and "rows" in kwargs:
             kwargs["rows"] = [cls.row_type(**r) for r in kwargs["rows"]]
         return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class Col:
+    """One column of a fixed-width text table: its header, its width, how a number is formatted
+    (``".1f"``), what follows it inside the width (``"%"``), and left or right alignment."""
+    header: str
+    width: int
+    fmt: str = ""
+    suffix: str = ""
+    left: bool = False
+
+    def cell(self, value: Any) -> str:
+        if value is None:
+            text = "-"
+        elif isinstance(value, str):
+            text = value
+        else:
+            text = format(value, self.fmt) + self.suffix
+        return f"{text:<{self.width}}" if self.left else f"{text:>{self.width}}"
+
+
+def text_table(cols: Sequence[Col], rows: Iterable[Sequence[Any]]) -> list[str]:
+    """The header line and one line per row, every result's table drawn the same way. ``None``
+    prints as ``-``; a row shorter than the columns prints its last value as it is, after the
+    columns before it (a status such as ``"oom"`` in place of the numbers)."""
+    lines = ["".join(c.cell(c.header) for c in cols)]
+    for row in rows:
+        row = list(row)
+        if len(row) < len(cols):
+            *head, rest = row
+            lines.append("".join(c.cell(v) for c, v in zip(cols, head)) + str(rest))
+        else:
+            lines.append("".join(c.cell(v) for c, v in zip(cols, row)))
+    return lines
 
 
 NONFINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}

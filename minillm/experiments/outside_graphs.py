@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minillm.core.result import Result
+from minillm.core.result import Col, Result, text_table
 
 MODES = ("eager", "graphs")
 
@@ -73,18 +73,7 @@ class GraphsResult(Result):
     def table(self) -> str:
         out = [f"engine decode, eager vs CUDA graphs — {self.hardware}, {self.dtype}, context "
                f"{self.context}, bound at {self.bandwidth / 1e12:.2f} TB/s ({self.bandwidth_source})",
-               f"{'model':<14}{'batch':>6}{'mode':>8}{'step ms':>10}{'tok/s':>10}{'% bound':>9}{'busy':>7}"
-               f"{'launches':>10}{'kernels':>9}"]
-        for r in self.rows:
-            if r.status != "ok":
-                out.append(f"{r.model:<14}{r.batch:>6}{r.mode:>8}  {r.status}")
-                continue
-            def f(v, fmt):
-                return format(v, fmt) if v is not None else "-"
-            out.append(f"{r.model:<14}{r.batch:>6}{r.mode:>8}{r.step_ms_median:>10.3f}{r.tok_s:>10.1f}"
-                       f"{100 * r.pct_of_bound:>8.1f}%"
-                       f"{f(100 * r.device_busy if r.device_busy is not None else None, '.0f'):>6}%"
-                       f"{f(r.launches_per_step, '.0f'):>10}{f(r.kernels_per_step, '.0f'):>9}")
+               *text_table(GRAPHS_COLUMNS, (_graphs_row(r) for r in self.rows))]
         speed = []
         for m in dict.fromkeys(r.model for r in self.rows):
             for b in sorted({r.batch for r in self.rows if r.model == m}):
@@ -94,6 +83,19 @@ class GraphsResult(Result):
         if speed:
             out.append("graphs ÷ eager tok/s: " + ", ".join(speed))
         return "\n".join(out)
+
+
+GRAPHS_COLUMNS = (Col("model", 14, left=True), Col("batch", 6), Col("mode", 8), Col("step ms", 10, ".3f"),
+                  Col("tok/s", 10, ".1f"), Col("% bound", 9, ".1f", "%"), Col("busy", 7, ".0f", "%"),
+                  Col("launches", 10, ".0f"), Col("kernels", 9, ".0f"))
+
+
+def _graphs_row(r: GraphsRow) -> list:
+    if r.status != "ok":
+        return [r.model, r.batch, r.mode, f"  {r.status}"]
+    busy = 100 * r.device_busy if r.device_busy is not None else None
+    return [r.model, r.batch, r.mode, r.step_ms_median, r.tok_s, 100 * r.pct_of_bound, busy,
+            r.launches_per_step, r.kernels_per_step]
 
 
 @torch.inference_mode()

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from minillm.core.result import Result
+from minillm.core.result import Col, Result, text_table
 
 ENGLISH = """\
 A request for a language model begins its life at the gateway. The server checks the key that came
@@ -100,6 +100,12 @@ class TokenizerRow:
         return self.n_chars / self.n_tokens if self.n_tokens else float("nan")
 
 
+TOKENIZER_OPS = ("encode", "decode (DecodeStream)", "decode (window)")
+TOKENIZER_COLUMNS = (Col("tokenizer", 24, left=True), Col("text", 9, left=True),
+                     Col("chars/token", 12, ".2f"), Col("encode", 10, ".2f"),
+                     Col("decode (DecodeStream)", 23, ".2f"), Col("decode (window)", 17, ".2f"))
+
+
 @dataclass
 class TokenizerBench(Result):
     hardware: str
@@ -113,20 +119,14 @@ class TokenizerBench(Result):
 
     def table(self) -> str:
         out = [f"tokenizer cost, µs per token (median of {self.repeats}; ~{self.n_tokens} tokens per text) "
-               f"on {self.hardware}",
-               f"{'tokenizer':<24}{'text':<9}{'chars/token':>12}{'encode':>10}{'decode (DecodeStream)':>23}"
-               f"{'decode (window)':>17}"]
+               f"on {self.hardware}"]
+        rows = []
         for tk in dict.fromkeys(r.tokenizer for r in self.rows):
             for text in dict.fromkeys(r.text for r in self.rows if r.tokenizer == tk):
-                cells = []
-                for op in ("encode", "decode (DecodeStream)", "decode (window)"):
-                    r = self.get(tk, text, op)
-                    w = 10 if op == "encode" else 23 if "Stream" in op else 17
-                    cells.append(f"{r.us_per_token_median:>{w}.2f}" if r else f"{'-':>{w}}")
                 enc = self.get(tk, text, "encode")
-                out.append(f"{tk[:23]:<24}{text:<9}{enc.chars_per_token if enc else float('nan'):>12.2f}"
-                           + "".join(cells))
-        return "\n".join(out)
+                us = [getattr(self.get(tk, text, op), "us_per_token_median", None) for op in TOKENIZER_OPS]
+                rows.append([tk[:23], text, enc.chars_per_token if enc else float("nan"), *us])
+        return "\n".join(out + text_table(TOKENIZER_COLUMNS, rows))
 
 
 def tokenizer_label(name_or_path: str | None) -> str:
