@@ -1,0 +1,317 @@
+"""Peers at every batch (``python -m minillm bench --peers --batches 1,2,4,8,16,32,64``): aggregate decode
+tok/s of minillm, ``transformers`` and llama.cpp on the same weights, B sequences decoding together.
+
+The batch-1 comparison (:mod:`minillm.bench.peers`) says who reads the weights fastest. 10.3's crossover
+is a claim about batches: a batch shares that one read, so aggregate tok/s should grow almost ∝ B until
+compute catches up. Whether an engine's kernels share the read is what this measures, engine by engine:
+
+- minillm: B requests through the engine, greedy; aggregate = Σ 1 / TPOT over the requests (their
+  decode steps run together, so this is B ÷ the step time);
+- ``transformers``: ``generate`` on a [B, T] batch; aggregate = B × (N − 1) ÷ (time of tokens 2…N);
+- llama.cpp: its own ``llama-batched-bench`` tool (llama-cpp-python has no API for several sequences)
+  on the GGUF converted from the same weights; aggregate = its ``S_TG t/s`` column. Found at
+  ``--llama-batched-bench``, ``$MINILLM_LLAMA_BATCHED_BENCH`` or on the PATH; built with llama.cpp
+  (``scripts/engines/build_llama_server.sh`` builds it beside ``llama-server``).
+
+As in the batch-1 comparison, a round runs every engine at every batch once, engines in an order rotated
+round by round, the garbage collector run before each timed decode; each cell is the median over the
+rounds. The bound beside it: B × read bandwidth ÷ the bytes one step reads at that batch (weights + K/V).
+"""
+from __future__ import annotations
+
+import gc
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from minillm.bench.decode import _TokenClock, to_transformers
+from minillm.bench.peers import PeerUnavailable, write_gguf
+from minillm.core.device import dtype_bytes, dtype_name, synchronize
+from minillm.core.result import Col, Result, text_table
+from minillm.hardware.machine import decode_read_bytes, measure_read_bandwidth
+from minillm.perf.roofline import decode_step_bytes
+
+DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass
+class BatchPeerRow:
+    engine: str
+    batch: int
+    status: str = "ok"                          # "ok" | "unavailable: <why>" | "failed: <why>"
+    samples_tok_s: list[float] = field(default_factory=list)   # aggregate, one per round
+    tok_s: float | None = None                  # aggregate, median over the rounds
+    spread: float | None = None                 # (max − min) / median
+    pct_of_bound: float | None = None           # tok_s ÷ (B × read BW ÷ bytes per step at B)
+
+    @property
+    def per_request_tok_s(self) -> float | None:
+        return self.tok_s / self.batch if self.tok_s is not None else None
+
+
+@dataclass
+class BatchPeerReport(Result):
+    model: str
+    device: str
+    dtype: str
+    prompt_tokens: int
+    new_tokens: int
+    rounds: int
+    threads: int
+    read_bw: float                              # measured, bytes/s: the bound's bandwidth
+    batches: list[int]
+    bytes_per_step: dict[str, int]              # batch (as a string: JSON keys) → bytes one step reads
+    rows: list[BatchPeerRow]
+    notes: dict[str, str] = field(default_factory=dict)
+    row_type = BatchPeerRow
+
+    def get(self, engine: str, batch: int) -> BatchPeerRow | None:
+        return next((r for r in self.rows if (r.engine, r.batch) == (engine, batch)), None)
+
+    def engines(self) -> list[str]:
+        return list(dict.fromkeys(r.engine for r in self.rows))
+
+    def bound(self, batch: int) -> float:
+        return batch * self.read_bw / self.bytes_per_step[str(batch)]
+
+    def _grid(self, value, bound=None) -> list[str]:
+        cols = [Col("engine", 22, left=True), *(Col(f"B={b}", 9) for b in self.batches)]
+        rows = []
+        for e in self.engines():
+            cells = []
+            for b in self.batches:
+                r = self.get(e, b)
+                cells.append(value(r) if r is not None and r.status == "ok" else
+                             ("n/a" if r is None or r.status.startswith("unavailable") else "failed"))
+            rows.append([e, *cells])
+        if bound is not None:
+            rows.append(["bound (BW ÷ bytes a step)", *(bound(b) for b in self.batches)])
+        return text_table(cols, rows)
+
+    def table(self) -> str:
+        lines = [f"model {self.model} ({self.dtype}) on {self.device}; prompt {self.prompt_tokens} tokens, "
+                 f"{self.new_tokens} new tokens per sequence; {self.rounds} rounds, engines interleaved; "
+                 f"{self.threads} threads each; read bandwidth {self.read_bw / 1e9:.1f} GB/s",
+                 "aggregate decode tok/s (median over the rounds):",
+                 *self._grid(lambda r: f"{r.tok_s:.0f}", lambda b: f"{self.bound(b):.0f}"),
+                 "per-request tok/s (aggregate ÷ B):",
+                 *self._grid(lambda r: f"{r.per_request_tok_s:.1f}", lambda b: f"{self.bound(b) / b:.1f}"),
+                 "% of the bound:",
+                 *self._grid(lambda r: f"{100 * r.pct_of_bound:.0f}%")]
+        for e in self.engines():
+            if e != "minillm" and any(r.status == "ok" for r in self.rows if r.engine == e):
+                ratios = [f"{a.tok_s / b.tok_s:.2f}×" if a and b and a.status == b.status == "ok" else "-"
+                          for a, b in ((self.get("minillm", n), self.get(e, n)) for n in self.batches)]
+                lines.append(f"minillm ÷ {e} at B = {', '.join(map(str, self.batches))}: {', '.join(ratios)}")
+        for e, note in self.notes.items():
+            lines.append(f"  {e}: {note}")
+        for e in self.engines():
+            down = next((r.status for r in self.rows if r.engine == e and r.status != "ok"), None)
+            if down:
+                lines.append(f"  {e}: {down}")
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------ the engines
+class _BatchEngine:
+    name = "engine"
+    note = ""
+
+    def setup(self) -> None: ...
+
+    def aggregate_tok_s(self, prompts: list[list[int]], new_tokens: int) -> float:
+        raise NotImplementedError
+
+    def close(self) -> None: ...
+
+
+class MinillmBatch(_BatchEngine):
+    name = "minillm"
+
+    def __init__(self, llm):
+        self.llm = llm
+
+    @property
+    def note(self) -> str:
+        from minillm.bench.decode import matmul_line
+        return matmul_line(self.llm.engine.runner)
+
+    def aggregate_tok_s(self, prompts, new_tokens):
+        from minillm.engine.sampling import SamplingParams
+        outs = self.llm.generate(prompts,
+                                 SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True))
+        return sum(1.0 / o.metrics.tpot_s for o in outs)
+
+
+class TransformersBatch(_BatchEngine):
+    name = "transformers"
+
+    def __init__(self, model):
+        self.model, self.hf = model, None
+
+    def setup(self):
+        import transformers
+        self.hf = to_transformers(self.model)
+        self.note = f"transformers {transformers.__version__}, generate() on a [B, T] batch, greedy"
+
+    @torch.inference_mode()
+    def aggregate_tok_s(self, prompts, new_tokens):
+        x = torch.tensor(prompts, device=self.model.device)          # [B, T]: equal lengths, no padding
+        clock = _TokenClock()
+        synchronize(self.model.device)
+        self.hf.generate(x, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                         pad_token_id=0, streamer=clock)
+        ts = clock.stamps
+        if len(ts) < 2:
+            raise RuntimeError(f"generate produced {len(ts)} steps; decode needs at least 2")
+        return len(prompts) * (len(ts) - 1) / max(ts[-1] - ts[0], 1e-9)
+
+    def close(self):
+        self.hf = None
+
+
+def find_llama_batched_bench(path: str | None = None) -> str | None:
+    """The ``llama-batched-bench`` binary: the given path, ``$MINILLM_LLAMA_BATCHED_BENCH``, or the PATH."""
+    for candidate in (path, os.environ.get("MINILLM_LLAMA_BATCHED_BENCH"),
+                      shutil.which("llama-batched-bench")):
+        if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    return None
+
+
+_ROW = re.compile(r"^\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|" + r"\s*([\d.]+)\s*\|" * 7)
+
+
+def parse_batched_bench(text: str) -> dict[int, float]:
+    """``llama-batched-bench``'s table → {B: S_TG t/s}. Its columns: PP | TG | B | N_KV | T_PP s | S_PP t/s |
+    T_TG s | S_TG t/s | T s | S t/s; S_TG is the aggregate text-generation speed of the B sequences."""
+    out = {}
+    for line in text.splitlines():
+        m = _ROW.match(line.strip())
+        if m:
+            out[int(m.group(3))] = float(m.group(8))
+    return out
+
+
+class LlamaCppBatch(_BatchEngine):
+    name = "llama.cpp"
+
+    def __init__(self, model, tokenizer, threads: int, binary: str | None, n_ctx: int):
+        self.model, self.tokenizer, self.threads, self.n_ctx = model, tokenizer, threads, n_ctx
+        self.binary, self._tmp, self.gguf = find_llama_batched_bench(binary), None, None
+
+    def setup(self):
+        if self.binary is None:
+            raise PeerUnavailable("llama-batched-bench not found (give --llama-batched-bench PATH or set "
+                                  "$MINILLM_LLAMA_BATCHED_BENCH; it is built with llama.cpp)")
+        try:
+            import gguf  # noqa: F401
+        except Exception as e:
+            raise PeerUnavailable(f"the gguf package, which converts the weights, is not importable "
+                                  f"({type(e).__name__})") from None
+        self._tmp = tempfile.TemporaryDirectory(prefix="minillm-gguf-")
+        self.gguf = Path(self._tmp.name) / "model.gguf"
+        kind = write_gguf(self.model, self.gguf, self.tokenizer)
+        self.note = (f"{Path(self.binary).name}, GGUF {kind} converted from the same weights, "
+                     f"{self.threads} threads")
+
+    def aggregate_tok_s(self, prompts, new_tokens):
+        b = len(prompts)
+        cmd = [self.binary, "-m", str(self.gguf), "-c", str(self.n_ctx * b), "-b", "2048", "-ub", "512",
+               "-npp", str(len(prompts[0])), "-ntg", str(new_tokens), "-npl", str(b), "-t", str(self.threads)]
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        speeds = parse_batched_bench(run.stdout + run.stderr)
+        if run.returncode != 0 or b not in speeds:
+            raise RuntimeError(f"llama-batched-bench exited {run.returncode} without a row for B={b}: "
+                               f"{(run.stderr or run.stdout)[-300:]}")
+        return speeds[b]
+
+    def close(self):
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+
+# ------------------------------------------------------------------------------ the run
+def _finish(row: BatchPeerRow, bound: float) -> BatchPeerRow:
+    if row.status == "ok" and row.samples_tok_s:
+        row.tok_s = statistics.median(row.samples_tok_s)
+        row.spread = (max(row.samples_tok_s) - min(row.samples_tok_s)) / row.tok_s
+        row.pct_of_bound = row.tok_s / bound
+    elif row.status == "ok":
+        row.status = "failed: no round finished"
+    return row
+
+
+def run_batch_peers(model: str = "cpu-small", device: str | None = None, dtype: str | None = None,
+                    batches: tuple[int, ...] | list[int] = DEFAULT_BATCHES, prompt_tokens: int = 32,
+                    new_tokens: int = 32, rounds: int = 3,
+                    engines: tuple[str, ...] = ("minillm", "transformers", "llama.cpp"),
+                    llama_batched_bench: str | None = None, progress: bool = False) -> BatchPeerReport:
+    """Aggregate decode tok/s of each engine at each batch, on the same weights and prompts (see the
+    module docstring). A peer that cannot run is reported as unavailable, never raised."""
+    import sys
+
+    from minillm.engine.llm import LLM
+    batches = sorted(set(int(b) for b in batches))
+    llm = LLM(model=model, device=device, dtype=dtype, max_batch_size=max(batches),
+              max_model_len=prompt_tokens + new_tokens + 16)
+    dev, dt, cfg = llm.device, llm.dtype, llm.model.config
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(1, cfg.vocab_size, (max(batches), prompt_tokens), generator=g).tolist()
+    mean_context = prompt_tokens + new_tokens // 2
+    step_bytes = {str(b): decode_step_bytes(cfg, dtype_bytes(dt), b, mean_context) for b in batches}
+    read_bw = measure_read_bandwidth(dev, nbytes=decode_read_bytes(dev, step_bytes[str(batches[0])])).value
+    threads = torch.get_num_threads()
+
+    made = {"minillm": lambda: MinillmBatch(llm), "transformers": lambda: TransformersBatch(llm.model),
+            "llama.cpp": lambda: LlamaCppBatch(llm.model, llm.tokenizer, threads, llama_batched_bench,
+                                               prompt_tokens + new_tokens + 16)}
+    unknown = [e for e in engines if e not in made]
+    if unknown:
+        raise ValueError(f"unknown engine(s) {unknown}: minillm, transformers, llama.cpp")
+    candidates = [made[e]() for e in engines]
+    rows = {(e.name, b): BatchPeerRow(e.name, b) for e in candidates for b in batches}
+    live = []
+    for e in candidates:                               # set up and warm up at the smallest batch
+        try:
+            e.setup()
+            e.aggregate_tok_s(prompts[:batches[0]], new_tokens)
+            live.append(e)
+        except PeerUnavailable as why:
+            for b in batches:
+                rows[(e.name, b)].status = f"unavailable: {why}"
+        except Exception as ex:
+            for b in batches:
+                rows[(e.name, b)].status = f"failed: {type(ex).__name__}: {ex}"
+    try:
+        for r in range(rounds):
+            order = live[r % len(live):] + live[:r % len(live)] if live else []
+            for b in batches:
+                for e in order:
+                    row = rows[(e.name, b)]
+                    if row.status != "ok":
+                        continue
+                    try:
+                        gc.collect()
+                        synchronize(dev)
+                        row.samples_tok_s.append(e.aggregate_tok_s(prompts[:b], new_tokens))
+                    except Exception as ex:
+                        row.status = f"failed in round {r + 1}: {type(ex).__name__}: {ex}"
+            if progress:
+                print(f"round {r + 1}/{rounds} done ({time.strftime('%H:%M:%S')})", file=sys.stderr)
+    finally:
+        notes = {e.name: e.note for e in candidates if e.note}
+        for e in candidates:
+            e.close()
+    report_rows = [_finish(rows[(e.name, b)], b * read_bw / step_bytes[str(b)])
+                   for e in candidates for b in batches]
+    return BatchPeerReport(str(model), str(dev), dtype_name(dt), prompt_tokens, new_tokens, rounds, threads,
+                           read_bw, batches, step_bytes, report_rows, notes)

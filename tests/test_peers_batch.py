@@ -1,0 +1,73 @@
+"""Peers at every batch: the aggregate decode rate of each engine at B = 1, 2, …, the llama.cpp side
+read from llama-batched-bench's own table, and the report's arithmetic (per request = aggregate ÷ B,
+% of the bound = aggregate ÷ (B × BW ÷ bytes per step))."""
+from __future__ import annotations
+
+import stat
+import sys
+import types
+
+import pytest
+
+from minillm.bench import peers_batch as pb
+
+BATCHED_BENCH_OUTPUT = """\
+main: n_kv_max = 2048, n_batch = 2048, n_ubatch = 512, flash_attn = 0, n_gpu_layers = 0
+
+|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |
+|-------|--------|------|--------|----------|----------|----------|----------|----------|----------|
+|    16 |      8 |    1 |     24 |    0.010 |  1600.00 |    0.080 |   100.00 |    0.090 |   266.67 |
+|    16 |      8 |    2 |     48 |    0.020 |  1600.00 |    0.100 |   160.00 |    0.120 |   400.00 |
+"""
+
+
+def test_the_batched_bench_table_gives_the_aggregate_generation_speed_per_batch():
+    assert pb.parse_batched_bench(BATCHED_BENCH_OUTPUT) == {1: 100.0, 2: 160.0}
+    assert pb.parse_batched_bench("no table here") == {}
+
+
+@pytest.fixture(scope="module")
+def report():
+    return pb.run_batch_peers(model="tiny", dtype="fp32", batches=(2, 1), prompt_tokens=8, new_tokens=6,
+                              rounds=2, engines=("minillm", "transformers", "llama.cpp"),
+                              llama_batched_bench="/nonexistent/llama-batched-bench")
+
+
+def test_every_engine_has_a_row_at_every_batch_and_a_missing_peer_is_unavailable(report):
+    assert report.batches == [1, 2]
+    for engine in ("minillm", "transformers"):
+        for b in (1, 2):
+            row = report.get(engine, b)
+            assert row.status == "ok" and len(row.samples_tok_s) == 2 and row.tok_s > 0
+            assert row.per_request_tok_s == pytest.approx(row.tok_s / b)
+            bound = b * report.read_bw / report.bytes_per_step[str(b)]
+            assert row.pct_of_bound == pytest.approx(row.tok_s / bound)
+    assert all(report.get("llama.cpp", b).status.startswith("unavailable: llama-batched-bench not found")
+               for b in (1, 2))
+    assert report.bytes_per_step["2"] > report.bytes_per_step["1"]     # the K/V of the second sequence
+
+
+def test_the_table_shows_each_grid_and_names_what_did_not_run(report):
+    text = report.table()
+    for heading in ("aggregate decode tok/s", "per-request tok/s", "% of the bound",
+                    "bound (BW ÷ bytes a step)"):
+        assert heading in text
+    assert "n/a" in text and "minillm ÷ transformers at B = 1, 2:" in text
+    assert "llama.cpp: unavailable: llama-batched-bench not found" in text
+
+
+def test_the_report_round_trips_through_json(report):
+    again = pb.BatchPeerReport.from_dict(report.to_dict())
+    assert again.get("minillm", 2).tok_s == report.get("minillm", 2).tok_s
+
+
+def test_llama_cpp_runs_through_the_binary_and_reads_its_table(tmp_path, monkeypatch):
+    fake = tmp_path / "llama-batched-bench"
+    fake.write_text("#!/bin/sh\ncat <<'EOF'\n" + BATCHED_BENCH_OUTPUT + "EOF\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setitem(sys.modules, "gguf", types.ModuleType("gguf"))
+    monkeypatch.setattr(pb, "write_gguf", lambda model, path, tokenizer: "F32")
+    rep = pb.run_batch_peers(model="tiny", dtype="fp32", batches=(1, 2), prompt_tokens=16, new_tokens=8,
+                             rounds=1, engines=("llama.cpp",), llama_batched_bench=str(fake))
+    assert [rep.get("llama.cpp", b).tok_s for b in (1, 2)] == [100.0, 160.0]
+    assert "llama-batched-bench, GGUF F32" in rep.notes["llama.cpp"]
