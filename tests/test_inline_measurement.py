@@ -1,7 +1,8 @@
 """The chapter's core measurements are shown inline, on the engine itself, and what they read is right.
 
 1. Notebooks 01-06 each have a code cell that measures with the engine directly: it calls
-   ``.step(`` or reads ``step_history``, or it sends an HTTP request and times it. The cells'
+   ``.step(`` or reads ``step_history``, or it sends an HTTP request and times it, or it sends the
+   requests through bench-serve's library on an arrival schedule it builds in the cell (10.6). The cells'
    *code* is read (Python tokens: comments and strings do not count), so a cell that only mentions
    ``step_history`` in a comment or a print does not pass.
 2. Running the engine directly on the ``tiny`` preset (not the notebooks): a prefill step's
@@ -23,7 +24,6 @@ INLINE_NOTEBOOKS = ["01_request_lifecycle", "02_four_metrics", "03_decode_roofli
 # stem -> reason, for a notebook whose inline measurement is being written now (others edit them)
 NOT_YET: dict[str, str] = {
     "02_four_metrics": "its engine-level inline measurement is not written yet (notebook being edited)",
-    "06_honest_benchmarks": "no timed HTTP request of its own yet: every request goes through bench-serve",
 }
 
 HTTP_NAMES = {"httpx", "requests", "urllib", "urlopen", "aiohttp", "HTTPConnection"}
@@ -50,6 +50,8 @@ def measures_inline(source: str) -> bool:
              if toks[i][1] == "." and toks[i + 2][1] == "("}           # .name( : a method call
     if "step" in calls or "step_history" in names:
         return True
+    if names & {"run_bench", "arun_bench"} and "arrival_schedule" in names:
+        return True
     return bool(names & HTTP_NAMES) and bool(calls & HTTP_CALLS) and bool(names & CLOCKS)
 
 
@@ -63,6 +65,8 @@ def test_the_detector_reads_code_not_comments():
     assert not measures_inline("r = httpx.post(url, json=body)\n")                 # sent, not timed
     assert not measures_inline("%time res = run_sweep()\nres.table()\n")
     assert not measures_inline("stepper = make(step=3)\n")
+    assert measures_inline("sched = arrival_schedule(8, 2.0)\nres = run_bench(cfg, schedule=sched)\n")
+    assert not measures_inline("res = run_bench(cfg)\n")                             # no schedule of its own
 
 
 def _param(stem: str):
