@@ -106,6 +106,8 @@ def cmd_roofline(a: argparse.Namespace) -> int:
     from minillm.plots.roofline import save_roofline_figure
     if a.redraw:
         return _redraw_roofline(a)
+    if a.base_url:
+        return _remote_roofline(a)
     try:
         batches = parse_batches(a.batches) if a.batches else default_batches(a.max_batch)
     except ValueError as e:
@@ -127,6 +129,57 @@ def cmd_roofline(a: argparse.Namespace) -> int:
     refs = [load_result(p) for p in (a.reference or [])]
     figs = save_roofline_figure(res.to_dict(), refs, out_dir=a.figures, published=load_published_references())
     print(f"data: {jp}  {cp}")
+    print(f"figure: {'  '.join(map(str, figs))}")
+    return 0
+
+
+def _remote_roofline(a: argparse.Namespace) -> int:
+    """``roofline --base-url URL``: the crossover through any OpenAI-compatible server (10.3)."""
+    import os
+
+    from minillm.bench.sweep_result import default_batches, parse_batches
+    from minillm.core.device import dtype_bytes
+    from minillm.loadgen.remote_roofline import (
+        Bound,
+        RemoteRooflineConfig,
+        fetch_server_info,
+        hardware_bandwidth,
+        load_model_config,
+        parse_parallel,
+        run_remote_roofline,
+    )
+    from minillm.perf.roofline import weight_bytes_per_step
+    from minillm.plots.remote_roofline import save_remote_roofline
+    try:
+        batches = parse_batches(a.batches) if a.batches else default_batches(a.max_batch)
+        tp = parse_parallel(a.parallel)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    key = a.api_key or os.environ.get("OPENAI_API_KEY") or os.environ.get("MINILLM_API_KEY")
+    info = fetch_server_info(a.base_url, key)
+    model_cfg, cfg_source = load_model_config(a.config, info)
+    dtype = a.dtype or info.get("dtype") or "bf16"
+    nbytes = dtype_bytes(dtype)
+    bw, peak, bw_source, hw = hardware_bandwidth(a.hardware, info, tp, a.bandwidth)
+    context = max(1, a.max_tokens // 2 + 8)   # the KV cache's mean length over a stream's middle
+    weights = weight_bytes_per_step(model_cfg, nbytes, 1) if model_cfg else None
+    kv = model_cfg.kv_bytes_per_token(nbytes) if model_cfg else None
+    bound = Bound(bw, bw_source, weights, kv, context, cfg_source, dtype, peak)
+    cfg = RemoteRooflineConfig(base_url=a.base_url, batches=batches, api_key=key,
+                               model=a.model, max_tokens=a.max_tokens)
+    try:
+        res = run_remote_roofline(cfg, bound, model_cfg, nbytes, hw, f"tp={tp}")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(res.table())
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    jp = out / "roofline-http.json"
+    jp.write_text(json.dumps(res.to_dict(), indent=1), encoding="utf-8")
+    figs = save_remote_roofline(res.to_dict(), a.figures)
+    print(f"data: {jp}")
     print(f"figure: {'  '.join(map(str, figs))}")
     return 0
 
@@ -311,7 +364,8 @@ def cmd_diagnose(a: argparse.Namespace) -> int:
     from minillm.metrics.diagnose import diagnose
     if a.base_url:
         key = a.api_key or os.environ.get("MINILLM_API_KEY") or os.environ.get("OPENAI_API_KEY")
-        d, fetched = diagnose_server(a.base_url, key, steps=not a.no_steps)
+        d, fetched = diagnose_server(a.base_url, key, steps=not a.no_steps,
+                                     metrics_window_s=a.metrics_window)
         if a.save:
             Path(a.save).write_text(json.dumps(fetched), encoding="utf-8")
             print(f"saved {len(fetched['traces'])} traces and {len(fetched['steps'])} step records to "

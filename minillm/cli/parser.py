@@ -35,7 +35,8 @@ def _add_diagnose_parser(sub) -> argparse.ArgumentParser:
                        help="where did the slow requests lose their time? starts late (TTFT stages), "
                             "stutters (ITL gaps holding a prefill), or outside the device")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--base-url", help="a minillm server: GET /v1/traces (every page) and /v1/steps")
+    src.add_argument("--base-url", help="a minillm server: GET /v1/traces (every page) and /v1/steps; "
+                                        "another server (404 there): its Prometheus /metrics")
     src.add_argument("--traces", metavar="FILE.json",
                      help="saved traces: GET /v1/traces's JSON, a list of its items, or --save's file")
     p.add_argument("--api-key", default=None,
@@ -47,6 +48,9 @@ def _add_diagnose_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--save", metavar="FILE.json",
                    help="with --base-url: save what was fetched, for --traces later")
     p.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
+    p.add_argument("--metrics-window", type=float, default=0.0, metavar="S",
+                   help="a server without /v1/traces is diagnosed from its /metrics: by default everything "
+                        "since it started; with S > 0 the histograms' deltas over the next S seconds")
     p.set_defaults(fn=c.cmd_diagnose)
     return p
 
@@ -171,6 +175,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="measure nothing: draw the figure again from a saved sweep (a roofline-*.json or "
                         "figures/data/10-3-decode-roofline.json), with the formula panel, the reference runs "
                         "below figures/reference/ and the published GPU numbers; --figures says where")
+    remote = r.add_argument_group(
+        "through a server", "--base-url: measure B streams at once through any OpenAI-compatible server "
+                            "(vLLM, llama-server, SGLang, minillm serve) instead of the engine in process")
+    remote.add_argument("--base-url", default=None, help="the server, e.g. http://127.0.0.1:8000")
+    remote.add_argument("--api-key", default=None, help="its key (default: $OPENAI_API_KEY, then "
+                                                                   "$MINILLM_API_KEY)")
+    remote.add_argument("--config", default=None, metavar="DIR_OR_config.json",
+                        help="the served model's config (a checkpoint directory or its config.json), for "
+                             "the bound; minillm serve states its own in /v1/server-info")
+    remote.add_argument("--hardware", default=None,
+                        help="the server's GPU, looked up in the spec table (e.g. 'H100 SXM'); minillm serve "
+                             "states its own")
+    remote.add_argument("--parallel", default=None, metavar="tp=N",
+                        help="tensor parallelism: N GPUs' bandwidth read the weights together")
+    remote.add_argument("--bandwidth", type=float, default=None, metavar="GB/s",
+                        help="state the bandwidth instead (e.g. a CPU's, as `doctor` measures it)")
+    remote.add_argument("--max-tokens", type=int, default=256,
+                        help="output tokens per stream (ignore_eos: every stream runs this long)")
     r.set_defaults(fn=c.cmd_roofline)
 
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (gateway, SSE streaming, traces)")

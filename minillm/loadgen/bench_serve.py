@@ -253,6 +253,10 @@ class BenchResult:
     started: str = ""
     client_gc_ms: float = 0.0                # garbage collection in the client's process during the timed run
     client_gc_collections: int = 0
+    # the server's own view of the timed run, from its Prometheus /metrics (server_metrics.py): the
+    # histograms' deltas between a scrape before and one after, with the source named
+    server_view: dict[str, Any] | None = None
+    server_view_lines: list[str] = field(default_factory=list)
 
     @property
     def n_ok(self) -> int:
@@ -303,7 +307,8 @@ class BenchResult:
                 "send_lag_max_ms": self.max_send_lag_ms,
                 "client_gc_ms": self.client_gc_ms, "client_gc_collections": self.client_gc_collections,
                 "summary": self.summary.to_dict(), "percentiles_ms": self.percentiles,
-                "failures": self.failures(), "requests": [rec(r) for r in self.records],
+                "failures": self.failures(), "server_view": self.server_view,
+                "requests": [rec(r) for r in self.records],
                 "warmup_requests": [rec(r) for r in self.warmup_records]}
 
     def table(self) -> str:
@@ -342,6 +347,9 @@ class BenchResult:
             for stat, v in self.percentiles[k].items():
                 # one replacement field padded as a whole: an f-string cannot break inside it
                 lines.append(f"{(stat.replace('p', 'P', 1) if stat.startswith('p') else stat.title()) + ' ' + k.upper() + ' (ms):':<{w}}{fmt(v)}")  # noqa: E501
+        if self.server_view_lines:
+            lines.append("-" * 20 + " The server's own view " + "-" * 10)
+            lines += self.server_view_lines
         lines.append("=" * 66)
         return "\n".join(lines)
 
@@ -426,6 +434,7 @@ async def arun_bench(cfg: BenchConfig, transport=None,
         # The client is a Python process too: a collection of its heap pauses its event loop, and
         # every timestamp it takes meanwhile is late (10.5, 10.6). Start the timed run with a clean
         # heap and report what the collector took during it.
+        before = await _scrape_quietly(clients[0], cfg.base_url)
         gc.collect()
         gc_ns, gc_n = GC_CLOCK.spent_ns(), GC_CLOCK.collections
         t0 = time.perf_counter()
@@ -438,6 +447,7 @@ async def arun_bench(cfg: BenchConfig, transport=None,
             tasks.append(asyncio.create_task(limited(i, req, f"bench-{tag}-{i:05d}", due)))
         records = list(await asyncio.gather(*tasks))
         gc_ns, gc_n = GC_CLOCK.spent_ns() - gc_ns, GC_CLOCK.collections - gc_n
+        view, view_lines = _server_view(before, await _scrape_quietly(clients[0], cfg.base_url))
     if bar is not None:
         bar.close()
     for r in records:
@@ -448,7 +458,27 @@ async def arun_bench(cfg: BenchConfig, transport=None,
     pct = percentile_table([client_request_metrics(r.record) for r in records], cfg.percentile_metrics,
                            cfg.metric_percentiles)
     return BenchResult(cfg, model, records, warm_recs, summary, pct, started,
-                       client_gc_ms=gc_ns / 1e6, client_gc_collections=gc_n)
+                       client_gc_ms=gc_ns / 1e6, client_gc_collections=gc_n, server_view=view,
+                       server_view_lines=view_lines)
+
+
+async def _scrape_quietly(client, base_url: str):
+    """The server's /metrics, or (None, why): a server without one never fails a benchmark."""
+    from minillm.loadgen.server_metrics import ascrape
+    try:
+        return await ascrape(base_url, client)
+    except Exception as e:             # a test transport or an odd server: the view is optional
+        return None, f"GET /metrics failed: {type(e).__name__}: {e}"
+
+
+def _server_view(before, after) -> tuple[dict[str, Any] | None, list[str]]:
+    """The histograms' deltas over the timed run, as data and as report lines naming the source."""
+    from minillm.loadgen.server_metrics import NOT_AVAILABLE, server_view
+    (b, _), (a, why) = before, after
+    if a is None:
+        return None, [f"queue, prefill and the other server-side stages: {NOT_AVAILABLE} ({why})"]
+    view = server_view(a, b)
+    return view.to_dict(), view.lines()
 
 
 def _progress_bar(total: int):

@@ -384,3 +384,101 @@ def _verdict(findings: list[Finding], s: Summary) -> tuple[str, str, str | None]
             parts.append(f"{fmt_pct(outside.numbers['steps_host_share'])} of step time on the host")
         return f"{HEALTHY}: no tail stands out ({'; '.join(parts)})", HEALTHY, None
     return main.headline, main.check, main.cause
+
+
+# ---------------------------------------------------------------------------------------------
+# From a server's Prometheus histograms, when it keeps no traces (vLLM, SGLang, llama.cpp)
+@dataclass(frozen=True)
+class ServerStage:
+    """One stage's histogram over a window: the count, the exact mean (sum / count) and quantiles
+    estimated from the buckets (None: no request in the window)."""
+    count: int
+    mean_s: float | None
+    p50_s: float | None
+    p99_s: float | None
+
+
+SERVER_NOT_AVAILABLE = "not available from this server"
+
+
+def _stage_text(name: str, st: ServerStage | None, ttft_mean: float | None) -> str:
+    if st is None:
+        return f"{name}: {SERVER_NOT_AVAILABLE}"
+    if st.mean_s is None:
+        return f"{name}: no request recorded in the window"
+    share = f" ({fmt_pct(st.mean_s / ttft_mean)} of mean TTFT)" if ttft_mean else ""
+    return (f"{name}: mean {fmt_time(st.mean_s)}{share}, p50 ≈ {fmt_time(st.p50_s or 0.0)}, "
+            f"p99 ≈ {fmt_time(st.p99_s or 0.0)}")
+
+
+def _server_start_finding(stages: dict[str, ServerStage | None], th: Thresholds) -> Finding:
+    """Starts late, from histograms: the mean TTFT split into queue and prefill (vLLM's own
+    stages: WAITING, then scheduled → first token), TTFT p99 against p50 from the buckets."""
+    ttft, queue, prefill = stages.get("ttft"), stages.get("queue"), stages.get("prefill")
+    t_mean = ttft.mean_s if ttft else None
+    parts = {k: v.mean_s for k, v in (("queue", queue), ("prefill", prefill)) if v and v.mean_s is not None}
+    if t_mean and "prefill" not in parts and "queue" in parts:
+        parts["prefill and the rest"] = max(0.0, t_mean - parts["queue"])   # SGLang: no prefill histogram
+    evidence = [_stage_text("TTFT", ttft, None), _stage_text("queue", queue, t_mean),
+                _stage_text("prefill", prefill, t_mean)]
+    if not parts or not t_mean:
+        return Finding(START_LATE, False, None, f"{START_LATE}: the server's histograms cannot split TTFT",
+                       evidence=evidence)
+    stage = max(parts, key=parts.get)
+    share = parts[stage] / t_mean
+    ratio = ratio_or_inf(ttft.p99_s or 0.0, ttft.p50_s or 0.0)
+    q_share = parts.get("queue", 0.0) / t_mean
+    fired = ratio >= th.tail_ratio or q_share >= th.wait_share
+    if fired and stage == "queue":
+        evidence.append(f"queue: {STAGE_HINT['queue']}")
+    elif fired and stage == "prefill":
+        evidence.append(f"prefill: {STAGE_HINT['prefill']}")
+    return Finding(START_LATE, fired, stage.split()[0],
+                   f"{START_LATE}: {stage} (mean TTFT {fmt_time(t_mean)}, {fmt_pct(share)} of it {stage})",
+                   (t_mean - (ttft.p50_s or 0.0)) * ttft.count if ttft.count else 0.0, evidence,
+                   {"ttft_mean_s": t_mean, "ttft_p50_s": ttft.p50_s, "ttft_p99_s": ttft.p99_s,
+                    "ttft_ratio": ratio, "stage_means_s": parts, "dominant_stage": stage,
+                    "dominant_share": share})
+
+
+def _server_stutter_finding(stages: dict[str, ServerStage | None], th: Thresholds) -> Finding:
+    itl = stages.get("itl")
+    if itl is None or itl.mean_s is None:
+        return Finding(STUTTERS, False, None, f"{STUTTERS}: no inter-token histogram",
+                       evidence=[_stage_text("ITL", itl, None)])
+    ratio = ratio_or_inf(itl.p99_s or 0.0, itl.p50_s or 0.0)
+    fired = ratio >= th.tail_ratio
+    evidence = [_stage_text("ITL", itl, None),
+                "which gaps held another request's prefill: not available from /metrics (it needs "
+                "per-request traces)"]
+    return Finding(STUTTERS, fired, None,
+                   f"{STUTTERS}: ITL p99 ≈ {fmt_time(itl.p99_s or 0.0)} = {ratio:.1f}× p50 (from buckets)",
+                   0.0, evidence, {"itl_p50_s": itl.p50_s, "itl_p99_s": itl.p99_s, "itl_ratio": ratio})
+
+
+def diagnose_server_histograms(stages: dict[str, ServerStage | None], source: str, window: str,
+                               thresholds: Thresholds | None = None,
+                               notes: Sequence[str] = ()) -> Diagnosis:
+    """The diagnosis a server's Prometheus histograms allow (``source`` names them, e.g. "the
+    server's /metrics (vLLM names)"): starts late split into queue and prefill by their means, stutters
+    from ITL p99/p50 in the buckets; time outside the device is not available from histograms."""
+    th = thresholds or Thresholds()
+    ttft = stages.get("ttft")
+    e2e = stages.get("e2e")
+    n = (e2e or ttft).count if (e2e or ttft) else 0
+    base = dict(n_completed=n, notes=[f"source: {source}, {window}",
+                                      "quantiles are estimated from the histogram buckets; means are exact",
+                                      f"outside the device: {SERVER_NOT_AVAILABLE} (/metrics has no step "
+                                      "records)"] + list(notes))
+    if ttft is None and stages.get("queue") is None:
+        return Diagnosis(f"{NO_DATA}: TTFT and queue time are {SERVER_NOT_AVAILABLE} ({source})", NO_DATA,
+                         None, **base)
+    if not n:
+        return Diagnosis(f"{NO_DATA}: no request finished in the window ({source})", NO_DATA, None, **base)
+    findings = [_server_start_finding(stages, th), _server_stutter_finding(stages, th)]
+    fired = [f for f in findings if f.fired]
+    if fired:
+        main = fired[0]
+        verdict = f"{main.headline}; from {source}"
+        return Diagnosis(verdict, main.check, main.cause, **base, findings=findings)
+    return Diagnosis(f"{HEALTHY}: no tail stands out in {source}", HEALTHY, None, **base, findings=findings)
