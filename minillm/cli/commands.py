@@ -63,9 +63,14 @@ def _write_json(path: str, data: dict) -> None:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    if a.peers:
+    engines = ("minillm",) + (() if a.no_transformers else ("transformers",)) + ("llama.cpp",)
+    if a.peers and a.batches:
+        from minillm.bench.peers_batch import run_batch_peers
+        rep = run_batch_peers(model=a.model, device=a.device, dtype=a.dtype, batches=a.batches,
+                              prompt_tokens=a.prompt_tokens, new_tokens=a.new_tokens, rounds=a.rounds,
+                              engines=engines, llama_batched_bench=a.llama_batched_bench, progress=True)
+    elif a.peers:
         from minillm.bench.peers import run_peers
-        engines = ("minillm",) + (() if a.no_transformers else ("transformers",)) + ("llama.cpp",)
         rep = run_peers(model=a.model, device=a.device, dtype=a.dtype, prompt_tokens=a.prompt_tokens,
                         new_tokens=a.new_tokens, rounds=a.rounds, engines=engines, compile=a.compile,
                         gguf_path=a.gguf, progress=True)

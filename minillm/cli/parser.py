@@ -146,6 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "the same weights, interleaved round by round: tok/s with its spread, GB/s, %% of "
                         "read bandwidth")
     b.add_argument("--rounds", type=int, default=5, help="--peers: rounds, each running every engine once")
+    b.add_argument("--batches", type=_ints, default=None,
+                   help="--peers at these batch sizes (e.g. 1,2,4,8,16,32,64): every engine's aggregate "
+                        "decode tok/s at each, beside B × read bandwidth ÷ the bytes a step reads")
+    b.add_argument("--llama-batched-bench", default=None, metavar="PATH",
+                   help="--peers --batches: llama.cpp's llama-batched-bench (default: "
+                        "$MINILLM_LLAMA_BATCHED_BENCH, then the PATH)")
     b.add_argument("--gguf", default=None,
                    help="--peers: write the converted GGUF here and keep it (default: a temp file)")
     b.add_argument("--json", default=None, help="also write the report as JSON here")
