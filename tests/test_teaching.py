@@ -175,7 +175,7 @@ def _fake_run(arrivals_ms, ttft_ms, e2e_ms):
 
 
 def test_rate_check_sees_a_run_that_keeps_up():
-    from minillm.loadgen.workload import rate_check
+    from minillm.loadgen.service_rate import rate_check
     n = 30
     run = _fake_run([100.0 * k for k in range(n)], [5.0] * n, [50.0] * n)       # 10 req/s, each done in 50 ms
     chk = rate_check(run, offered_rps=10.0)
@@ -184,7 +184,7 @@ def test_rate_check_sees_a_run_that_keeps_up():
 
 
 def test_rate_check_sees_an_overloaded_run():
-    from minillm.loadgen.workload import rate_check
+    from minillm.loadgen.service_rate import rate_check
     n = 30
     arrivals = [10.0 * k for k in range(n)]                   # 100 req/s offered
     done = [100.0 * (k + 1) for k in range(n)]                # the engine finishes 10 req/s
@@ -196,12 +196,8 @@ def test_rate_check_sees_an_overloaded_run():
 
 
 def test_closed_loop_keeps_its_concurrency_and_measures_a_service_rate(tiny_llm):
-    from minillm.loadgen.workload import (
-        LengthDist,
-        make_requests,
-        measure_service_rate,
-        run_closed_loop,
-    )
+    from minillm.loadgen.service_rate import measure_service_rate
+    from minillm.loadgen.workload import LengthDist, make_requests, run_closed_loop
     reqs = make_requests(6, LengthDist.fixed(8), LengthDist.fixed(3),
                          vocab_size=tiny_llm.engine.config.vocab_size,
                          prefix="cl")
