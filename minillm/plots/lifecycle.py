@@ -2,10 +2,11 @@
 
 (a) one request: one horizontal bar per stage — gateway, tokenize, queue, prefill, decode — with
     its output tokens as ticks on the decode bar and the SSE chunks the server sent as ticks on a
-    row of their own; a zoom on received → first token beside it, where the short stages live;
-(b) a few concurrent requests, one row each, on one clock, in the order the server had their whole
+    row of their own;
+(b) a zoom of (a) on received → first token, where the short stages live;
+(c) a few concurrent requests, one row each, on one clock, in the order the server had their whole
     request (``body_read``): with more requests than batch slots, the queue segments grow row after
-    row — queueing, visible.
+    row — queueing, visible. The request at p99 TTFT (nearest rank, as in figure 10-2) is marked.
 
 The stages telescope like :func:`minillm.metrics.definitions.ttft_breakdown` (each event closes a stage), so
 the bars of one request tile its life without gaps or overlaps::
@@ -23,6 +24,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from minillm.core.trace import Trace
+from minillm.metrics.definitions import metrics_from_traces
+from minillm.metrics.summary import breakdown_at_percentile
 
 STAGE_ORDER = ("gateway", "body", "tokenize", "queue", "prefill", "decode", "return")
 STAGE_COLORS = {"gateway": "tab:purple", "body": "tab:brown", "tokenize": "tab:olive", "queue": "tab:red",
@@ -144,7 +147,7 @@ def _bar(ax, y: float, span: StageSpan, t0_ns: int, height: float, label: bool) 
 
 def plot_request_timeline(trace: Any, ax=None, window_ms: tuple[float, float] | None = None,
                           annotate: bool = True):
-    """Panel (a): one row per stage, token ticks on the decode row, SSE chunks on their own row."""
+    """Panels (a) and (b): one row per stage, token ticks on the decode row, SSE chunks on their own row."""
     import matplotlib.pyplot as plt
     tr = as_trace(trace)
     if ax is None:
@@ -200,14 +203,28 @@ def arrival_order(traces: Iterable[Any]) -> list[Trace]:
     return sorted((t for t in trs if stage_spans(t)), key=arrival_ns)
 
 
-def plot_concurrent_timeline(traces: Iterable[Any], ax=None, max_rows: int = 32):
-    """Panel (b): one row per request, in the order its body was received (:func:`arrival_ns`),
-    stages as coloured segments, token ticks."""
+def p99_ttft_request(traces: Iterable[Any]) -> tuple[str, float] | None:
+    """``(request_id, ttft_ms)`` of the request at p99 TTFT among ``traces`` (nearest rank, the same
+    request :func:`minillm.metrics.summary.breakdown_at_percentile` picks for figure 10-2), or None
+    when no request has a first token."""
+    metrics = metrics_from_traces([as_trace(t) for t in traces])
+    try:
+        rid, bd = breakdown_at_percentile(metrics, 99)
+    except ValueError:
+        return None
+    m = next(m for m in metrics if m.request_id == rid)
+    return rid, m.ttft_s * 1e3
+
+
+def plot_concurrent_timeline(traces: Iterable[Any], ax=None, max_rows: int = 32, mark_p99: bool = True):
+    """Panel (c): one row per request, in the order its body was received (:func:`arrival_ns`),
+    stages as coloured segments, token ticks; with ``mark_p99``, the p99-TTFT request's row is
+    outlined and starred at its first token, and a legend says so."""
     import matplotlib.pyplot as plt
-    trs = arrival_order(traces)
-    if not trs:
+    all_trs = arrival_order(traces)
+    if not all_trs:
         raise ValueError("no trace with a stage to draw")
-    trs = trs[:max_rows]
+    trs = all_trs[:max_rows]
     if ax is None:
         _, ax = plt.subplots(figsize=(8, 0.25 * len(trs) + 1))
     t0 = min(stage_spans(t)[0].t0_ns for t in trs)
@@ -221,6 +238,27 @@ def plot_concurrent_timeline(traces: Iterable[Any], ax=None, max_rows: int = 32)
         ax.vlines([(t - t0) / 1e6 for t in tr.times("token")], y - 0.3, y + 0.3, color="k", lw=0.3, alpha=0.6,
                   rasterized=True)
     ax.set_yticks(range(len(trs)), [f"#{len(trs) - k}" for k in range(len(trs))], fontsize=6)
+    p99 = p99_ttft_request(all_trs) if mark_p99 else None
+    row = next((i for i, tr in enumerate(trs) if p99 and tr.request_id == p99[0]), None)
+    if row is not None:
+        from matplotlib.patches import Rectangle
+        y = len(trs) - 1 - row
+        spans = stage_spans(trs[row])
+        x0, x1 = (spans[0].t0_ns - t0) / 1e6, (spans[-1].t1_ns - t0) / 1e6
+        ax.add_patch(Rectangle((x0, y - 0.5), x1 - x0, 1.0, fill=False, edgecolor="black", lw=1.4, zorder=4))
+        t_first = trs[row].times("token")[0]
+        star, = ax.plot([(t_first - t0) / 1e6], [y], marker="*", ms=11, color="gold", mec="black", mew=0.8,
+                        ls="", zorder=5,
+                        label=f"p99-TTFT request: #{row + 1}, outlined, TTFT {p99[1]:.0f} ms (★ first token)")
+        ax.get_yticklabels()[y].set_fontweight("bold")
+        from matplotlib.transforms import offset_copy
+        # below the axis, right-aligned beside its label: never over a row of data
+        ax.legend(handles=[star], loc="upper right", fontsize=8, frameon=False, bbox_to_anchor=(1.0, 0.0),
+                  bbox_transform=offset_copy(ax.transAxes, fig=ax.figure, y=-30, units="points"))
+    elif p99 is not None:
+        ax.annotate(f"p99-TTFT request {p99[0]} ({p99[1]:.0f} ms): not among the {len(trs)} rows shown",
+                    (1.0, 0.0), xycoords="axes fraction", xytext=(0, -30), textcoords="offset points",
+                    fontsize=8, ha="right", va="top")
     ax.set_ylabel("request (by body received)")
     ax.set_xlabel("ms since the first request arrived")
     ax.grid(axis="x", alpha=0.3)
@@ -228,7 +266,7 @@ def plot_concurrent_timeline(traces: Iterable[Any], ax=None, max_rows: int = 32)
 
 
 def request_timeline_figure(single: Any, concurrent: Iterable[Any], title: str | None = None):
-    """The whole figure: (a) one request, its zoom on TTFT, (b) concurrent requests."""
+    """The whole figure: (a) one request, (b) its zoom on TTFT, (c) concurrent requests."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
     tr = as_trace(single)
@@ -246,12 +284,12 @@ def request_timeline_figure(single: Any, concurrent: Iterable[Any], title: str |
     t_first_tok = next((s.t1_ns for s in spans if s.stage == "prefill"), spans[-1].t1_ns)
     zoom_hi = (t_first_tok - spans[0].t0_ns) / 1e6 * 1.25
     plot_request_timeline(tr, ax_z, window_ms=(0.0, zoom_hi))
-    ax_z.set_title("(a) zoom: received → first token (TTFT)", fontsize=10, loc="left")
+    ax_z.set_title("(b) zoom on (a): received → first token (TTFT)", fontsize=10, loc="left")
     ax_z.axvline((t_first_tok - spans[0].t0_ns) / 1e6, color="k", ls=":", lw=0.8)
     if conc:
         plot_concurrent_timeline(conc, ax_b, max_rows=32)
         shown = f" (the first {n_rows})" if n_rows < len(conc) else ""
-        ax_b.set_title(f"(b) {len(conc)} concurrent requests{shown}, one row each, in the order their bodies "
+        ax_b.set_title(f"(c) {len(conc)} concurrent requests{shown}, one row each, in the order their bodies "
                        "were received: waiting in the queue shows as red", fontsize=10, loc="left")
     else:
         ax_b.set_visible(False)
@@ -279,8 +317,17 @@ def save_request_timeline(single: Any, concurrent: Iterable[Any], stamp: str,
     concurrent = list(concurrent)
     fig = request_timeline_figure(single, concurrent)
     data = {"single": as_trace(single).to_records(),
-            "concurrent": [as_trace(t).to_records() for t in concurrent]}
+            "concurrent": [as_trace(t).to_records() for t in concurrent], "stamp": stamp}
     try:
         return save_figure(fig, name, stamp, out_dir, data=data)
     finally:
         plt.close(fig)
+
+
+def request_timeline_from_data(data: dict):
+    """Figure 10-1 from its data file (``figures/data/10-1-request-timeline.json``) alone."""
+    return request_timeline_figure(data["single"], data["concurrent"])
+
+
+# figure name → the function that draws it from its data file's dict (tests/test_figures_clean.py)
+REDRAW = {"10-1-request-timeline": request_timeline_from_data}

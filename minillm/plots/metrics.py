@@ -89,7 +89,8 @@ def plot_itl_distribution(traces: Sequence[Trace], title: str | None = None):
         ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0), numticks=30))
         ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
         ax.xaxis.set_minor_formatter(NullFormatter())
-        ax.legend(fontsize=7, loc="upper right" if ax is ax_h else "lower right")
+        # below the axes: inside, the legend would sit on the tail (the p99 line, the stalled gaps)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.17), ncol=2, frameon=False)
     fig.suptitle(title or f"ITL distribution: {d.count} gaps pooled over {len(traces)} requests "
                           f"(max {_ms(d.max):.1f} ms)", fontsize=10)
     fig.tight_layout()
@@ -126,10 +127,14 @@ def plot_ttft_breakdown(metrics: Sequence[RequestMetrics], percentiles: Sequence
 
 
 # ---------------------------------------------------------------------------------------------
-def _save(fig, name: str, stamp: str, out_dir: str | Path | None, data) -> list[Path]:
+def _save(fig, name: str, stamp: str, out_dir: str | Path | None, data,
+          title: str | None = None) -> list[Path]:
+    """Save ``fig`` with ``data``; the stamp (and a caller's title) go into the data too, so a redraw
+    from the data file (:data:`REDRAW`) carries the same footnote and title."""
     import matplotlib.pyplot as plt
 
     from minillm.plots.figures import save_figure
+    data = {**data, "stamp": stamp, **({"title": title} if title else {})}
     paths = save_figure(fig, name, stamp, out_dir, data=data)
     plt.close(fig)
     return paths
@@ -138,11 +143,28 @@ def _save(fig, name: str, stamp: str, out_dir: str | Path | None, data) -> list[
 def save_itl_distribution(traces: Sequence[Trace], stamp: str, out_dir: str | Path | None = None,
                           name: str = "10-2-itl-distribution", title: str | None = None) -> list[Path]:
     data = {"traces": [t.to_records() for t in traces]}          # every event the figure was drawn from
-    return _save(plot_itl_distribution(traces, title), name, stamp, out_dir, data)
+    return _save(plot_itl_distribution(traces, title), name, stamp, out_dir, data, title)
 
 
 def save_ttft_breakdown(metrics: Sequence[RequestMetrics], stamp: str, out_dir: str | Path | None = None,
                         name: str = "10-2-ttft-breakdown", title: str | None = None) -> list[Path]:
     from dataclasses import asdict
     data = {"requests": [asdict(m) for m in metrics]}
-    return _save(plot_ttft_breakdown(metrics, title=title), name, stamp, out_dir, data)
+    return _save(plot_ttft_breakdown(metrics, title=title), name, stamp, out_dir, data, title)
+
+
+# ---------------------------------------------------------------------------------------------
+# From the data files' dicts alone (figures/data/NAME.json)
+def itl_distribution_from_data(d: dict):
+    traces = [Trace.from_records(rows[0].get("request_id", "?") if rows else "?", rows)
+              for rows in d["traces"]]
+    return plot_itl_distribution(traces, d.get("title"))
+
+
+def ttft_breakdown_from_data(d: dict):
+    return plot_ttft_breakdown([RequestMetrics(**r) for r in d["requests"]], title=d.get("title"))
+
+
+# figure name → the function that draws it from its data file's dict (tests/test_figures_clean.py)
+REDRAW = {"10-2-itl-distribution": itl_distribution_from_data,
+          "10-2-ttft-breakdown": ttft_breakdown_from_data}

@@ -5,8 +5,11 @@
   so the chapter's "about 30 %" line shows at a glance which case reaches it.
 * ``10-5-sampling-cost``: ms per step against batch, one panel per vocabulary size, one line
   per method for the engine's batched sampler (solid) and for the per-row loop it replaced
-  (dashed). Horizontal dotted lines mark a decode step's time, when given: sampling matters
-  where its line comes near them.
+  (dashed). Horizontal dotted lines mark a decode step's time, when given, labelled outside the
+  plot on the right: sampling matters where its line comes near them. Colour names the method
+  (legend of the first panel), line style the implementation (legend of the last).
+
+Both are drawn from the data files' dicts as well (``*_from_data``, :data:`REDRAW`).
 """
 from __future__ import annotations
 
@@ -86,7 +89,7 @@ def plot_sampling_cost(bench, step_ms: dict[str, float] | None = None, title: st
                 if not pts:
                     continue
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], ls=ls, lw=lw, alpha=alpha, marker="o", ms=3,
-                        color=METHOD_COLORS.get(m), label=f"{m} ({impl})")
+                        color=METHOD_COLORS.get(m))
                 bad = [(B, r.ms_median) for B in b.batches if (r := b.get(m, B, V, impl)) is not None
                        and (sp := spread(r.ms)) is not None and sp > NOISY_SPREAD]
                 if bad:          # repeats that spread widely: ringed in red (minillm.hardware.quiet)
@@ -94,9 +97,11 @@ def plot_sampling_cost(bench, step_ms: dict[str, float] | None = None, title: st
                                edgecolors="red",
                                linewidths=1.3, zorder=5)
                     noisy_any = True
-        for i, (lab, ms) in enumerate((step_ms or {}).items()):
+        for lab, ms in (step_ms or {}).items():
             ax.axhline(ms, color="black", ls=":", lw=1)
-            ax.text(b.batches[0], ms, f" {lab}", va="bottom", ha="left", fontsize=7)
+            if ax is axes[0][-1]:        # labelled once, outside the plot: never over a line
+                ax.annotate(lab, (1.0, ms), xycoords=("axes fraction", "data"), xytext=(4, 0),
+                            textcoords="offset points", va="center", ha="left", fontsize=7)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xticks(b.batches, [str(x) for x in b.batches])
@@ -104,14 +109,23 @@ def plot_sampling_cost(bench, step_ms: dict[str, float] | None = None, title: st
         ax.set_title(f"vocabulary {V:,}", fontsize=10)
         ax.grid(True, which="both", alpha=0.25)
     axes[0][0].set_ylabel("ms per step (median), logits → ids on the host")
-    handles, labels = axes[0][-1].get_legend_handles_labels()
+    from matplotlib.lines import Line2D
+    # two small legends below the panels, ≤ 6 entries each: colour = method, line style = implementation
+    below = {"loc": "upper center", "bbox_to_anchor": (0.5, -0.16), "fontsize": 8, "frameon": False}
+    method_handles = [Line2D([], [], color=METHOD_COLORS.get(m), lw=1.8, marker="o", ms=3, label=m)
+                      for m in methods]
+    axes[0][0].legend(handles=method_handles, ncol=3, title="method (colour)", title_fontsize=8, **below)
+    style_handles = [Line2D([], [], color="0.3", lw=1.8, marker="o", ms=3, label="batched sampler (engine)"),
+                     Line2D([], [], color="0.3", lw=1.1, ls="--", alpha=0.75, marker="o", ms=3,
+                            label="per-row loop (before; greedy was batched)")]
     if noisy_any:
-        from matplotlib.lines import Line2D
-        handles.append(Line2D([], [], ls="", marker="o", mfc="none", mec="red", ms=9))
-        labels.append(f"noisy: repeats spread > ×{NOISY_SPREAD:g} (p90/p10)")
-    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
+        style_handles.append(Line2D([], [], ls="", marker="o", mfc="none", mec="red", ms=9,
+                                    label=f"noisy: repeats spread > ×{NOISY_SPREAD:g} (p90/p10)"))
+    axes[0][-1].legend(handles=style_handles, ncol=1, title="implementation (line style)", title_fontsize=8,
+                       **below)
     fig.suptitle(title or "Sampling cost per step: batched sampler (solid) vs the per-row loop before it "
-                          f"(dashed); {b.logits_dtype} logits on {b.device}", fontsize=10)
+                          f"(dashed), by method, vocabulary and batch; {b.logits_dtype} logits on {b.device}",
+                 fontsize=10)
     fig.tight_layout()
     return fig
 
@@ -120,6 +134,7 @@ def _save(fig, name: str, stamp: str, data: dict, out_dir: str | Path | None) ->
     import matplotlib.pyplot as plt
 
     from minillm.plots.figures import save_figure
+    data = {**data, "stamp": data.get("stamp", stamp)}       # a redraw from the data file keeps the footnote
     paths = save_figure(fig, name, stamp, out_dir, data=data)
     plt.close(fig)
     return paths
@@ -128,7 +143,8 @@ def _save(fig, name: str, stamp: str, data: dict, out_dir: str | Path | None) ->
 def save_step_phases(cases, stamp: str, references=None, reference_label: str = "reference",
                      out_dir: str | Path | None = None, name: str = "10-5-step-phases") -> list[Path]:
     fig = plot_step_phases(cases, references, reference_label)
-    data = {"cases": [c.to_dict() for c in cases], "references": [c.to_dict() for c in references or []]}
+    data = {"cases": [c.to_dict() for c in cases], "references": [c.to_dict() for c in references or []],
+            "reference_label": reference_label}
     return _save(fig, name, stamp, data, out_dir)
 
 
@@ -137,3 +153,46 @@ def save_sampling_cost(bench, stamp: str, step_ms: dict[str, float] | None = Non
     fig = plot_sampling_cost(bench, step_ms)
     data = bench.to_dict()
     return _save(fig, name, stamp, {"sampling": data, "step_ms": step_ms or {}}, out_dir)
+
+
+# ---------------------------------------------------------------------------------------------
+# From the data files' dicts alone: what the plots read of a PhaseCase and a SamplingBench, rebuilt
+# here (a plot never imports an experiment)
+class _CaseData:
+    """A saved PhaseCase dict, read as the plot reads a PhaseCase."""
+
+    def __init__(self, d: dict):
+        self.label, self.device, self.dtype = d["label"], d["device"], d["dtype"]
+        self.shares, self.outside_share = d["shares"], d["outside_share"]
+        self.mean_wall_ms, self.spread = d["mean_wall_ms"], d["spread"]
+        self.noisy = self.spread > NOISY_SPREAD
+
+
+class _BenchData:
+    """A saved SamplingBench dict, read as the plot reads a SamplingBench."""
+
+    def __init__(self, d: dict):
+        from types import SimpleNamespace
+        self.device, self.logits_dtype = d["device"], d["logits_dtype"]
+        self.rows = [SimpleNamespace(**r) for r in d["rows"]]
+        self.vocabs = sorted({r.vocab for r in self.rows})
+        self.batches = sorted({r.batch for r in self.rows})
+        self.method_names = list(dict.fromkeys(r.method for r in self.rows))
+
+    def get(self, method: str, batch: int, vocab: int, impl: str = "batched"):
+        key = (impl, method, batch, vocab)
+        return next((r for r in self.rows if (r.impl, r.method, r.batch, r.vocab) == key), None)
+
+
+def step_phases_from_data(d: dict):
+    return plot_step_phases([_CaseData(c) for c in d["cases"]],
+                            [_CaseData(c) for c in d.get("references", [])],
+                            d.get("reference_label", "reference"))
+
+
+def sampling_cost_from_data(d: dict):
+    return plot_sampling_cost(_BenchData(d["sampling"]), d.get("step_ms") or None)
+
+
+# figure name → the function that draws it from its data file's dict (tests/test_figures_clean.py)
+REDRAW = {"10-5-step-phases": step_phases_from_data, "10-5-sampling-cost": sampling_cost_from_data}
