@@ -29,12 +29,31 @@ def has_cjk(text: str) -> bool:
     return bool(_CJK.search(text or ""))
 
 
+# File names of the fonts above, for a font installed after matplotlib built its font cache
+_CJK_FILES = re.compile(r"cjk|wqy|sourcehan|notosanssc|simhei|msyh|yahei|pingfang|hiragino|"
+                        r"droidsansfallback|uming", re.IGNORECASE)
+
+
 @lru_cache(maxsize=1)
 def cjk_font() -> str | None:
-    """The first installed family of :data:`CJK_FAMILIES`, or None. Cached: the font list is read once."""
+    """The first installed family of :data:`CJK_FAMILIES`, or None. Cached: the font list is read once.
+    matplotlib caches the fonts it found the first time it ran, so a font installed since is looked for
+    among the system's font files too, and registered."""
     from matplotlib import font_manager
-    installed = {f.name for f in font_manager.fontManager.ttflist}
-    return next((name for name in CJK_FAMILIES if name in installed), None)
+
+    def first_installed() -> str | None:
+        installed = {f.name for f in font_manager.fontManager.ttflist}
+        return next((name for name in CJK_FAMILIES if name in installed), None)
+    found = first_installed()
+    if found is None:
+        for path in font_manager.findSystemFonts():
+            if _CJK_FILES.search(path):
+                try:
+                    font_manager.fontManager.addfont(path)
+                except (OSError, RuntimeError, ValueError):     # a file FreeType cannot read
+                    continue
+        found = first_installed()
+    return found
 
 
 def bilingual(en: str, zh: str, sep: str = " · ") -> str:
