@@ -22,9 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 INLINE_NOTEBOOKS = ["01_request_lifecycle", "02_four_metrics", "03_decode_roofline", "04_prefill_vs_decode",
                     "05_outside_the_accelerator", "06_honest_benchmarks"]
 # stem -> reason, for a notebook whose inline measurement is being written now (others edit them)
-NOT_YET: dict[str, str] = {
-    "02_four_metrics": "its engine-level inline measurement is not written yet (notebook being edited)",
-}
+NOT_YET: dict[str, str] = {}
 
 HTTP_NAMES = {"httpx", "requests", "urllib", "urlopen", "aiohttp", "HTTPConnection"}
 HTTP_CALLS = {"get", "post", "stream", "request", "send", "urlopen"}
