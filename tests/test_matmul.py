@@ -19,6 +19,12 @@ ROWS = (1, 2, 4, 8, 16, 32, 64)
 @pytest.fixture(autouse=True)
 def own_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("MINILLM_CACHE_DIR", str(tmp_path / "cache"))
+    set_load(monkeypatch, busy=False)      # the tests' own load must not decide what is cached
+
+
+def set_load(monkeypatch, busy: bool) -> None:
+    from minillm.hardware.quiet import LoadCheck
+    monkeypatch.setattr(matmul, "machine_busy", lambda: LoadCheck(5.0 if busy else 0.1, 2))
 
 
 def _available(dtype):
@@ -118,6 +124,19 @@ def test_the_cache_is_invalidated_by_another_model_or_machine(monkeypatch):
     assert matmul.choice_key(matmul.linear_shapes(m), torch.bfloat16, (1, 4)) != k
     monkeypatch.setattr(matmul, "machine_id", lambda: "another CPU; 64 cores")
     assert matmul.choice_key(matmul.linear_shapes(m), torch.float32, (1, 4)) != k
+
+
+def test_a_choice_made_on_a_busy_machine_is_measured_again_once_it_is_quiet(monkeypatch):
+    m = load_model("tiny", torch.device("cpu"), torch.float32, 0)
+    set_load(monkeypatch, busy=True)
+    busy = matmul.choose(m, rows=(1,), stack_bytes=2**20)
+    assert busy.busy and busy.load == 5.0 and "busy machine" in busy.summary()
+    still_busy = matmul.choose(m, rows=(1,), stack_bytes=2**20)
+    assert still_busy.cached and still_busy.busy          # no better measurement is possible now
+    set_load(monkeypatch, busy=False)
+    quiet = matmul.choose(m, rows=(1,), stack_bytes=2**20)
+    assert not quiet.cached and not quiet.busy
+    assert matmul.choose(m, rows=(1,), stack_bytes=2**20).cached
 
 
 def test_a_damaged_cache_file_is_measured_again():

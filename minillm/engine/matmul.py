@@ -56,6 +56,7 @@ from torch import nn
 
 from minillm.core.result import Result
 from minillm.engine.config import MATMUL_MODES
+from minillm.hardware.quiet import machine_busy
 
 log = logging.getLogger("minillm.engine")
 
@@ -187,6 +188,8 @@ class MatmulChoice(Result):
     cached: bool = False
     attention: str = "native"               # decode attention: "native" (the model's dtype) or "fp32"
     attention_us: dict[str, dict[str, float]] = field(default_factory=dict)   # way → {rows: µs per layer}
+    load: float | None = None               # the 1-minute load average while it was measured
+    busy: bool = False                      # measured on a busy machine: measured again once it is quiet
     row_type: ClassVar[type] = ShapeChoice
 
     def chosen(self, out_features: int, in_features: int, bias: bool) -> str:
@@ -197,7 +200,8 @@ class MatmulChoice(Result):
 
     def summary(self) -> str:
         """One line: which candidate each weight shape uses."""
-        how = "cached" if self.cached else f"measured in {self.seconds:.1f} s"
+        how = ("cached" if self.cached else f"measured in {self.seconds:.1f} s") + (
+            " on a busy machine: measured again when it is quiet" if self.busy else "")
         att = f"; decode attention in {self.attention}" if self.attention_us else ""
         return (f"decode matmuls ({self.dtype}, {self.threads} threads, {how}): "
                 + ", ".join(f"{s.shape} → {s.chosen}" for s in self.rows) + att)
@@ -369,7 +373,10 @@ def choose(model: nn.Module, rows: tuple[int, ...] | None = None, use_cache: boo
            repeats: int = 3, stack_bytes: int = STACK_BYTES) -> MatmulChoice:
     """The candidate for each weight shape of ``model`` on this machine (see the module docstring):
     read from the cache when this machine, torch, thread count, dtype and shapes were measured
-    before, else measured (a few seconds for ``cpu-small``) and cached."""
+    before, else measured (a few seconds for ``cpu-small``) and cached. A choice measured while the
+    machine was busy (one made under a load of 5 on 2 cores timed a 25 MB weight at 16–25 ms, a
+    quarter of the quiet speed, and ranked the candidates by the noise) is measured again by the
+    first run on a quiet machine."""
     dtype = next(model.parameters()).dtype
     rows = tuple(rows or (*DECODE_ROWS, PREFILL_ROWS))
     shapes = linear_shapes(model)
@@ -377,11 +384,14 @@ def choose(model: nn.Module, rows: tuple[int, ...] | None = None, use_cache: boo
     heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) if cfg is not None else None
     key = choice_key(shapes, dtype, rows, heads)
     path = cache_path(key)
+    before = machine_busy()
     if use_cache and path.exists():
         try:
             ch = MatmulChoice.from_dict(json.loads(path.read_text()))
             ch.cached = True
-            return ch
+            # a choice timed while other programs ran is a choice about them: replace it once quiet
+            if not (ch.busy and not before.busy):
+                return ch
         except (ValueError, KeyError, TypeError) as e:       # a damaged cache file: measure again
             log.warning("ignoring the matmul cache %s: %s", path, e)
     t0 = time.perf_counter()
@@ -393,6 +403,12 @@ def choose(model: nn.Module, rows: tuple[int, ...] | None = None, use_cache: boo
             ch.attention, ch.attention_us = choose_decode_attention(heads, dtype, tuple(r for r in rows
                                                                                     if r in DECODE_ROWS))
     ch.seconds = time.perf_counter() - t0
+    # the load before measuring (our own threads raise it too); a busy choice is cached but replaced
+    # by the first run on a quiet machine
+    ch.load, ch.busy = before.load1, before.busy
+    if ch.busy:
+        log.warning("decode matmuls chosen on a busy machine (1-minute load %.2f on %d cores): measured "
+                    "again when it is quiet", before.load1, before.cores)
     if use_cache:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
