@@ -24,7 +24,7 @@ def own_cache(tmp_path, monkeypatch):
 
 def set_load(monkeypatch, busy: bool) -> None:
     from minillm.hardware.quiet import LoadCheck
-    monkeypatch.setattr(matmul, "machine_busy", lambda: LoadCheck(5.0 if busy else 0.1, 2))
+    monkeypatch.setattr(matmul, "busy_now", lambda: LoadCheck(1.6 if busy else 0.02, 2, 0.25))
 
 
 def _available(dtype):
@@ -130,7 +130,7 @@ def test_a_choice_made_on_a_busy_machine_is_measured_again_once_it_is_quiet(monk
     m = load_model("tiny", torch.device("cpu"), torch.float32, 0)
     set_load(monkeypatch, busy=True)
     busy = matmul.choose(m, rows=(1,), stack_bytes=2**20)
-    assert busy.busy and busy.load == 5.0 and "busy machine" in busy.summary()
+    assert busy.busy and busy.load == 1.6 and "busy machine" in busy.summary()
     still_busy = matmul.choose(m, rows=(1,), stack_bytes=2**20)
     assert still_busy.cached and still_busy.busy          # no better measurement is possible now
     set_load(monkeypatch, busy=False)
@@ -222,3 +222,16 @@ def test_fp32_decode_attention_in_a_bf16_engine_keeps_the_logits(monkeypatch):
     got, eng = _greedy(m2, prompts)
     assert eng.runner.backend.decode_upcast
     assert [a[:4] for a in got] == [a[:4] for a in want]    # bf16: the first tokens agree; later ones may tie
+
+
+
+def test_busy_now_counts_the_cores_other_programs_keep_busy(monkeypatch):
+    from minillm.hardware import quiet
+    readings = iter([(1_000, 10_000), (1_150, 10_200)])        # 150 of 200 ticks busy: 75 %
+    monkeypatch.setattr(quiet, "busy_and_total_ticks", lambda: next(readings))
+    monkeypatch.setattr(quiet, "_cores", lambda: 2)
+    check = quiet.busy_now(share=0.25, window_s=0)
+    assert check.load1 == pytest.approx(1.5) and check.busy
+    readings = iter([(1_000, 10_000), (1_010, 10_200)])        # 5 %: quiet
+    monkeypatch.setattr(quiet, "busy_and_total_ticks", lambda: next(readings))
+    assert not quiet.busy_now(share=0.25, window_s=0).busy

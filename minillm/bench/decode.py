@@ -114,11 +114,21 @@ def _after_collecting(run: Callable[[], float], repeats: int) -> list[float]:
     return out
 
 
+def token_rate(metrics) -> float:
+    """Decode tokens/s of one request from its token gaps: (N − 1) / (last token − first token).
+    Not 1 / TPOT: TPOT starts at the first token that renders text, and a random-weight model in
+    bf16 can emit only partial UTF-8 until its last token (TPOT 0 s, seen at batch 64)."""
+    gaps = metrics.itl_s
+    if not gaps or sum(gaps) <= 0:
+        raise RuntimeError(f"request {metrics.request_id} has {len(gaps)} token gaps: no decode rate")
+    return len(gaps) / sum(gaps)
+
+
 def _minillm_decode_tok_s(llm, prompt_ids: list[int], new_tokens: int,
                           with_tokens: bool = False) -> float | tuple[float, list[int]]:
     from minillm.engine.sampling import SamplingParams
     out = llm.generate([prompt_ids], SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True))[0]
-    tok_s = 1.0 / out.metrics.tpot_s
+    tok_s = token_rate(out.metrics)
     return (tok_s, out.token_ids) if with_tokens else tok_s
 
 

@@ -56,7 +56,7 @@ from torch import nn
 
 from minillm.core.result import Result
 from minillm.engine.config import MATMUL_MODES
-from minillm.hardware.quiet import machine_busy
+from minillm.hardware.quiet import busy_now
 
 log = logging.getLogger("minillm.engine")
 
@@ -188,7 +188,7 @@ class MatmulChoice(Result):
     cached: bool = False
     attention: str = "native"               # decode attention: "native" (the model's dtype) or "fp32"
     attention_us: dict[str, dict[str, float]] = field(default_factory=dict)   # way → {rows: µs per layer}
-    load: float | None = None               # the 1-minute load average while it was measured
+    load: float | None = None               # cores other programs kept busy just before it was measured
     busy: bool = False                      # measured on a busy machine: measured again once it is quiet
     row_type: ClassVar[type] = ShapeChoice
 
@@ -384,7 +384,7 @@ def choose(model: nn.Module, rows: tuple[int, ...] | None = None, use_cache: boo
     heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) if cfg is not None else None
     key = choice_key(shapes, dtype, rows, heads)
     path = cache_path(key)
-    before = machine_busy()
+    before = busy_now()
     if use_cache and path.exists():
         try:
             ch = MatmulChoice.from_dict(json.loads(path.read_text()))
@@ -407,8 +407,8 @@ def choose(model: nn.Module, rows: tuple[int, ...] | None = None, use_cache: boo
     # by the first run on a quiet machine
     ch.load, ch.busy = before.load1, before.busy
     if ch.busy:
-        log.warning("decode matmuls chosen on a busy machine (1-minute load %.2f on %d cores): measured "
-                    "again when it is quiet", before.load1, before.cores)
+        log.warning("decode matmuls chosen on a busy machine (%.2f of %d cores busy with other work): "
+                    "measured again when it is quiet", before.load1, before.cores)
     if use_cache:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
