@@ -63,7 +63,7 @@ class DeceptionPair:
             lines.append(f"{k:<{w}}{_fmt(d):>12}{_fmt(h):>12}{(f'{r:.2f}×' if r else '-'):>18}")
         for k, v in self.extra.items():
             if not isinstance(v, (list, dict)):
-                lines.append(f"  {k}: {v}")
+                lines.append(f"  {k}: {v:.3g}" if isinstance(v, float) else f"  {k}: {v}")
         lines.append(f"  → {self.lesson}")
         return "\n".join(lines)
 
