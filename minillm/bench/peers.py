@@ -72,13 +72,19 @@ PEER_COLUMNS = (Col("engine", 22, left=True), Col("tok/s", 8, ".1f"), Col("minâ€
 
 
 @dataclass
-class PeerReport(Result):
+class PeerRun(Result):
+    """What a peer comparison ran: one model in one dtype on one device, the same prompt and
+    number of new tokens for every engine, so many rounds."""
     model: str
     device: str
     dtype: str
     prompt_tokens: int
     new_tokens: int
     rounds: int
+
+
+@dataclass
+class PeerReport(PeerRun):
     read_bw: float                               # measured, bytes/s (a sum reduction): the bound
     copy_bw: float                               # measured, bytes/s (read + write): shown, not the bound
     bytes_per_step: int

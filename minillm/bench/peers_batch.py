@@ -32,10 +32,10 @@ from pathlib import Path
 
 import torch
 
-from minillm.bench.decode import _TokenClock, to_transformers, token_rate
-from minillm.bench.peers import PeerUnavailable, write_gguf
+from minillm.bench.decode import _TokenClock, token_rate
+from minillm.bench.peers import PeerRun, PeerUnavailable, TransformersEngine, write_gguf
 from minillm.core.device import dtype_bytes, dtype_name, synchronize
-from minillm.core.result import Col, Result, text_table
+from minillm.core.result import Col, text_table
 from minillm.hardware.machine import decode_read_bytes, measure_read_bandwidth
 from minillm.perf.roofline import decode_step_bytes
 
@@ -58,13 +58,7 @@ class BatchPeerRow:
 
 
 @dataclass
-class BatchPeerReport(Result):
-    model: str
-    device: str
-    dtype: str
-    prompt_tokens: int
-    new_tokens: int
-    rounds: int
+class BatchPeerReport(PeerRun):
     threads: int
     read_bw: float                              # measured, bytes/s: the bound's bandwidth
     batches: list[int]
@@ -151,16 +145,12 @@ class MinillmBatch(_BatchEngine):
         return sum(token_rate(o.metrics) for o in outs)
 
 
-class TransformersBatch(_BatchEngine):
-    name = "transformers"
-
-    def __init__(self, model):
-        self.model, self.hf = model, None
+class TransformersBatch(TransformersEngine):
+    """The batch-1 peer's set-up (minillm's weights, shared), timed on a [B, T] batch."""
 
     def setup(self):
-        import transformers
-        self.hf = to_transformers(self.model)
-        self.note = f"transformers {transformers.__version__}, generate() on a [B, T] batch, greedy"
+        super().setup()
+        self.note = self.note.replace("generate()", "generate() on a [B, T] batch")
 
     @torch.inference_mode()
     def aggregate_tok_s(self, prompts, new_tokens):
@@ -173,9 +163,6 @@ class TransformersBatch(_BatchEngine):
         if len(ts) < 2:
             raise RuntimeError(f"generate produced {len(ts)} steps; decode needs at least 2")
         return len(prompts) * (len(ts) - 1) / max(ts[-1] - ts[0], 1e-9)
-
-    def close(self):
-        self.hf = None
 
 
 def find_llama_batched_bench(path: str | None = None) -> str | None:
