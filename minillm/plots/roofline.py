@@ -45,18 +45,24 @@ def plot_roofline(result: dict, references: list[dict] | None = None, ax=None,
     xs = [b["batch"] for b in result["batches"]]
     grid = sorted(set(xs) | {2 ** i for i in range(0, int(math.log2(max(xs))) + 1)})
 
-    # the bounds, from the measured ceilings of this run
+    # the bounds, from the measured ceilings of this run: labelled where they end, so the legend
+    # holds only what was measured (a slide's legend of ten entries is not read)
     flat = bw / rf.weight_bytes(cfg, nbytes)
-    ax.plot(grid, [flat * b for b in grid], ":", color="tab:gray",
-            label=f"B × BW / model bytes (the chapter's bound; batch 1: {flat:.1f} tok/s)")
-    ax.plot(grid, [b * bw / rf.decode_step_bytes(cfg, nbytes, b, L) for b in grid], "--", color="tab:gray",
-            label=f"B × BW / bytes a step reads (weights + KV at L={L})")
-    # what each request can get: the shared step time bounds every request in the batch
+    ax.plot(grid, [flat * b for b in grid], ":", color="tab:gray")
+    ax.plot(grid, [b * bw / rf.decode_step_bytes(cfg, nbytes, b, L) for b in grid], "--", color="tab:gray")
+    ax.text(0.02, 0.98, f"grey, dotted: B × BW ÷ model bytes, the chapter's bound ({flat:.0f} tok/s at "
+                        f"batch 1)\ngrey, dashed: B × BW ÷ bytes a step reads (+ K/V at L={L})",
+            transform=ax.transAxes, ha="left", va="top", fontsize=7, color="0.35", zorder=6,
+            bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.9, "pad": 1.5})
+    compute = [peak / (rf.decode_step_flops(cfg, b, L) / b) for b in grid]
+    ax.plot(grid, compute, "-.", color="tab:red", alpha=0.7)
+    ax.annotate("compute roof: peak ÷ FLOPs per token", (grid[-1], compute[-1]), xytext=(-3, 4),
+                textcoords="offset points", ha="right", va="bottom", fontsize=7, color="tab:red")
+    # what each request can get: the shared step time bounds every request in the batch (it falls
+    # through the measured lines, so it keeps its legend entry instead of a label)
     ax.plot(grid, [min(bw / rf.decode_step_bytes(cfg, nbytes, b, L), peak / rf.decode_step_flops(cfg, b, L))
                    for b in grid], "--", color="tab:orange", alpha=0.5,
             label="per-request bound (step time ≥ max(t_mem, t_compute))")
-    compute = [peak / (rf.decode_step_flops(cfg, b, L) / b) for b in grid]
-    ax.plot(grid, compute, "-.", color="tab:red", alpha=0.7, label="compute roof (peak / FLOPs per token)")
 
     for ref in references or []:
         rok = _ok(ref)
