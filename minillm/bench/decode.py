@@ -165,7 +165,7 @@ def to_transformers(model) -> torch.nn.Module:
     return hf.eval()
 
 
-class _TokenClock:
+class TokenClock:
     """A ``generate`` streamer that stamps the host clock as each new token arrives (transformers
     hands a streamer the prompt first, then every new token: a host copy, so the token is done)."""
 
@@ -189,7 +189,7 @@ def _transformers_decode_tok_s(hf, prompt_ids: list[int], new_tokens: int, devic
     last, (N − 1) steps. (Subtracting a 1-token run from an N-token run, as this did before, can
     come out ≤ 0 on a busy machine with a small model.)"""
     x = torch.tensor([prompt_ids], device=device)
-    clock = _TokenClock()
+    clock = TokenClock()
     synchronize(device)
     out = hf.generate(x, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                       pad_token_id=0,

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from minillm.bench.decode import _TokenClock, token_rate
+from minillm.bench.decode import TokenClock, token_rate
 from minillm.bench.peers import PeerRun, PeerUnavailable, TransformersEngine, write_gguf
 from minillm.core.device import dtype_bytes, dtype_name, synchronize
 from minillm.core.result import Col, text_table
@@ -155,7 +155,7 @@ class TransformersBatch(TransformersEngine):
     @torch.inference_mode()
     def aggregate_tok_s(self, prompts, new_tokens):
         x = torch.tensor(prompts, device=self.model.device)          # [B, T]: equal lengths, no padding
-        clock = _TokenClock()
+        clock = TokenClock()
         synchronize(self.model.device)
         self.hf.generate(x, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                          pad_token_id=0, streamer=clock)

@@ -384,16 +384,20 @@ def choose(model: nn.Module, rows: tuple[int, ...] | None = None, use_cache: boo
     heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) if cfg is not None else None
     key = choice_key(shapes, dtype, rows, heads)
     path = cache_path(key)
-    before = busy_now()
+    before = None               # the busy check sleeps a quarter second: only when it decides something
     if use_cache and path.exists():
         try:
             ch = MatmulChoice.from_dict(json.loads(path.read_text()))
             ch.cached = True
             # a choice timed while other programs ran is a choice about them: replace it once quiet
-            if not (ch.busy and not before.busy):
+            if not ch.busy:
+                return ch
+            before = busy_now()
+            if before.busy:
                 return ch
         except (ValueError, KeyError, TypeError) as e:       # a damaged cache file: measure again
             log.warning("ignoring the matmul cache %s: %s", path, e)
+    before = before or busy_now()
     t0 = time.perf_counter()
     with torch.inference_mode():
         found = [choose_for_shape(n, k, b, dtype, rows, repeats, stack_bytes) for n, k, b in shapes]

@@ -33,6 +33,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from minillm.metrics.diagnose import ServerStage
 
 NOT_AVAILABLE = "not available from this server"
@@ -51,50 +53,20 @@ class Sample:
         return dict(self.labels).get(key)
 
 
-def _parse_labels(text: str) -> tuple[tuple[str, str], ...]:
-    """``a="x",b="y\\"z"`` → (("a", "x"), ("b", 'y"z')): the exposition format's escapes."""
-    out, i, n = [], 0, len(text)
-    while i < n:
-        while i < n and text[i] in " ,":
-            i += 1
-        if i >= n:
-            break
-        eq = text.index("=", i)
-        key = text[i:eq].strip()
-        i = text.index('"', eq) + 1
-        val = []
-        while text[i] != '"':
-            if text[i] == "\\" and i + 1 < n:
-                val.append({"n": "\n", "\\": "\\", '"': '"'}.get(text[i + 1], text[i + 1]))
-                i += 2
-            else:
-                val.append(text[i])
-                i += 1
-        out.append((key, "".join(val)))
-        i += 1
-    return tuple(out)
-
-
 def parse_sample(line: str) -> Sample | None:
-    """One sample line (``name{labels} value [timestamp]``), or None for a line that is not one."""
+    """One sample line (``name{labels} value [timestamp]``), or None for a line that is not one.
+    The line is read by ``prometheus_client``'s parser (labels with their escapes, "+Inf", exponents);
+    a line it refuses is skipped, so one odd line never loses the rest of a scrape."""
     line = line.strip()
     if not line or line.startswith("#"):
         return None
-    if "{" in line:
-        name, rest = line.split("{", 1)
-        labels_text, _, tail = rest.rpartition("}")
-        labels = _parse_labels(labels_text)
-    else:
-        name, _, tail = line.partition(" ")
-        labels = ()
-    parts = tail.split()
-    if not parts:
-        return None
     try:
-        value = float(parts[0])          # "+Inf", "NaN" and exponents parse as Python floats
+        for fam in text_string_to_metric_families(line + "\n"):
+            for s in fam.samples:
+                return Sample(s.name, tuple(s.labels.items()), float(s.value))
     except ValueError:
         return None
-    return Sample(name.strip(), labels, value)
+    return None
 
 
 class PromTextParser:
