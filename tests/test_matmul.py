@@ -87,6 +87,37 @@ def test_the_chosen_path_gives_eagers_greedy_tokens(candidate):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_each_row_bucket_runs_the_fastest_kernel_of_the_one_layout_held():
+    # oneDNN's blocked layout wins overall; within it the unpadded kernel is faster at 1 row, the
+    # padded one at 2; torch's F.linear (another layout) is fastest at 1 row but is not held beside it
+    ms = {"aten": {"1": 0.80, "2": 1.9, "4": 1.9, "256": 12.0},
+          "onednn-packed": {"1": 0.98, "2": 1.16, "4": 1.27, "256": 10.6},
+          "onednn-packed-pad4": {"1": 1.13, "2": 1.10, "4": 1.23, "256": 10.5}}
+    chosen, by_rows = matmul.route(ms)
+    assert chosen == "onednn-packed"            # the better of the two over all row counts
+    assert by_rows == {"1": "onednn-packed", "2": "onednn-packed-pad4", "4": "onednn-packed-pad4",
+                       "256": "onednn-packed-pad4"}
+    sc = matmul.ShapeChoice(64, 32, False, chosen, ms, by_rows=by_rows)
+    assert sc.described() == "onednn-packed (onednn-packed-pad4 at 2/4/256 rows)"
+    # a layout faster at one row count only is not held: plain loses 1.5× at 2 rows for 1.1× at 1
+    assert matmul.route({"aten": {"1": 1.0, "2": 1.0}, "aten-kmajor": {"1": 0.9, "2": 1.5}}) == (
+        "aten", {"1": "aten", "2": "aten"})
+
+
+@pytest.mark.skipif(not matmul._onednn_ok(torch.float32), reason="no oneDNN in this torch build")
+def test_a_routed_linear_computes_f_linear_at_every_row_count():
+    lin = torch.nn.Linear(48, 80, bias=True)
+    routed = matmul.PackedLinear(lin, "onednn-packed-pad4",
+                                 {"1": "onednn-packed", "2": "onednn-packed-pad4", "8": "onednn-packed"})
+    for n in (1, 2, 3, 8, 9, 70):             # between buckets, and past the largest
+        x = torch.randn(n, 48)
+        with torch.inference_mode():
+            torch.testing.assert_close(routed(x), F.linear(x, lin.weight, lin.bias), rtol=1e-4, atol=1e-4)
+    assert routed._by_n[1] is matmul.CANDIDATES["onednn-packed"].forward
+    assert routed._by_n[2] is matmul.CANDIDATES["onednn-packed-pad4"].forward
+    assert routed._by_n[3] is matmul.CANDIDATES["onednn-packed"].forward     # the 8-row bucket decides
+
+
 def test_bf16_logits_within_tolerance_at_each_bucket():
     cand = [n for n in _available(torch.bfloat16) if n != "aten"]
     if not cand:

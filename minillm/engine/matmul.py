@@ -26,10 +26,17 @@ the choice is made by measurement on the machine that runs, never by vendor name
 
 :func:`choose` times every candidate this torch build offers (:data:`CANDIDATES`) for each weight
 shape of the model at each decode row bucket and one prefill-sized bucket, over a stack of copies larger than
-the cache (a single 12 MB weight would be timed from cache, at a speed decode never sees), checks each against
-``F.linear``, and keeps for each shape the candidate with the least geometric mean, over the buckets, of its
-time ÷ the best time at that bucket. The choice is cached per machine, torch, threads, dtype and shapes
-(:func:`cache_path`), so a second run pays nothing. :func:`apply` then swaps the chosen modules for
+the cache (a single 12 MB weight would be timed from cache, at a speed decode never sees), and checks each
+against ``F.linear``. A candidate holds its weight in a layout (plain, transposed, oneDNN's blocked one), and
+one layout is held per weight: the one whose fastest candidate at each bucket has the least geometric mean,
+over the buckets, of its time ÷ the best time there. Then each row bucket runs the fastest candidate of that
+layout (:attr:`ShapeChoice.by_rows`): on the Intel Xeon VM (2 threads, fp32) oneDNN's 1-row kernel read an
+8192×768 weight in 0.98 ms against 1.13 ms padded to 4 rows, while at 4 rows the padded one won, 1.23
+against 1.27 ms. A second layout for the rows where it wins is not held: torch's own ``F.linear`` ran
+``cpu-small``'s batch-1 forward faster there (18.3–19.4 ms against 22.1–22.9, three runs each), but it
+would double the memory the weights take, and at 4 rows and more it costs up to twice the read. The choice
+is cached per machine, torch, threads, dtype and shapes (:func:`cache_path`), so a second run pays nothing.
+:func:`apply` then swaps the chosen modules for
 :class:`PackedLinear`; the plain ``nn.Linear`` (``EngineConfig.matmul="aten"``, or ``enforce_eager``) stays
 the readable reference, and the tests pin the chosen path's tokens to it.
 
@@ -75,6 +82,7 @@ MAX_COPIES = 64
 class Candidate:
     name: str
     why: str
+    layout: str                       # how the weight is held; the candidates of one layout share it
     available: Callable[[torch.dtype], bool]
     prepare: Callable[[torch.Tensor], torch.Tensor]                 # weight [N, K] → what forward holds
     forward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
@@ -108,20 +116,20 @@ def _onednn_padded(x: torch.Tensor, p: torch.Tensor, b: torch.Tensor | None) -> 
 
 CANDIDATES: dict[str, Candidate] = {
     "aten": Candidate(
-        "aten", "torch's F.linear (MKL or OpenBLAS sgemm, oneDNN for bf16): the reference",
+        "aten", "torch's F.linear (MKL or OpenBLAS sgemm, oneDNN for bf16): the reference", "plain",
         lambda dt: True, lambda w: w, lambda x, w, b: F.linear(x, w, b), lambda w: w),
     "aten-kmajor": Candidate(
-        "aten-kmajor", "x @ Wᵀ with Wᵀ stored K-major: the library's other operand order",
+        "aten-kmajor", "x @ Wᵀ with Wᵀ stored K-major: the library's other operand order", "kmajor",
         lambda dt: True, lambda w: w.t().contiguous(),                 # [K, N]
         lambda x, wt, b: torch.addmm(b, x.reshape(-1, x.shape[-1]), wt).view(*x.shape[:-1], wt.shape[1])
         if b is not None else (x @ wt),
         lambda wt: wt.t()),
     "onednn-packed": Candidate(
         "onednn-packed",
-        "oneDNN with the weight reordered once into its blocked layout (Inductor's freezing)",
+        "oneDNN with the weight reordered once into its blocked layout (Inductor's freezing)", "onednn",
         _onednn_ok, lambda w: torch.ops.mkldnn._reorder_linear_weight(w), _onednn, lambda p: p.to_dense()),
     "onednn-packed-pad4": Candidate(
-        "onednn-packed-pad4", "the same, with fewer than 4 rows padded to 4 (its faster kernel)",
+        "onednn-packed-pad4", "the same, with fewer than 4 rows padded to 4 (its faster kernel)", "onednn",
         _onednn_ok, lambda w: torch.ops.mkldnn._reorder_linear_weight(w), _onednn_padded,
         lambda p: p.to_dense()),
 }
@@ -131,9 +139,11 @@ class PackedLinear(nn.Module):
     """An ``nn.Linear`` whose weight is held the way the chosen candidate wants it (a oneDNN
     blocked layout, a transposed copy). It replaces the original: the plain weight is not kept, so
     the memory a model takes does not double. ``weight`` and ``state_dict()`` give the plain
-    weight back (unpacked on demand), so a packed model still converts to ``transformers`` or GGUF."""
+    weight back (unpacked on demand), so a packed model still converts to ``transformers`` or GGUF.
+    ``by_rows`` ({row bucket: candidate}, all of ``candidate``'s layout): the kernel each row count
+    runs, the smallest bucket at or above it deciding; past the largest bucket, the largest's."""
 
-    def __init__(self, linear: nn.Linear, candidate: str):
+    def __init__(self, linear: nn.Linear, candidate: str, by_rows: dict[str, str] | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.candidate = candidate
@@ -142,13 +152,19 @@ class PackedLinear(nn.Module):
             self.register_buffer("held", c.prepare(linear.weight.detach()), persistent=False)
         self.bias = linear.bias
         self._forward = c.forward
+        # one lookup per call: the kernel for 0 … max_rows rows, indexed by the row count
+        routes = sorted((int(r), CANDIDATES[n].forward) for r, n in (by_rows or {}).items())
+        self._by_n = [next((f for r, f in routes if r >= n), routes[-1][1]) for n in range(routes[-1][0] + 1)
+                      ] if routes else []
 
     @property
     def weight(self) -> torch.Tensor:
         return CANDIDATES[self.candidate].unpack(self.held)            # [N, K]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._forward(x, self.held, self.bias)                  # [..., K] → [..., N]
+        n = x.numel() // self.in_features                              # rows this step
+        fwd = self._by_n[n] if n < len(self._by_n) else self._by_n[-1] if self._by_n else self._forward
+        return fwd(x, self.held, self.bias)                            # [..., K] → [..., N]
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         destination[prefix + "weight"] = self.weight.detach()
@@ -169,10 +185,19 @@ class ShapeChoice:
     chosen: str
     ms: dict[str, dict[str, float]] = field(default_factory=dict)    # candidate → {rows: ms per copy}
     rejected: dict[str, str] = field(default_factory=dict)           # candidate → why (wrong or failed)
+    by_rows: dict[str, str] = field(default_factory=dict)            # row bucket → chosen's layout's kernel
 
     @property
     def shape(self) -> str:
         return f"{self.out_features}x{self.in_features}" + ("+bias" if self.bias else "")
+
+    def described(self) -> str:
+        """``chosen``, and the row buckets that run another kernel of its layout."""
+        other = [r for r, n in self.by_rows.items() if n != self.chosen]
+        if not other:
+            return self.chosen
+        names = sorted({self.by_rows[r] for r in other})
+        return f"{self.chosen} ({', '.join(names)} at {'/'.join(other)} rows)"
 
 
 @dataclass
@@ -193,10 +218,14 @@ class MatmulChoice(Result):
     row_type: ClassVar[type] = ShapeChoice
 
     def chosen(self, out_features: int, in_features: int, bias: bool) -> str:
+        s = self.for_shape(out_features, in_features, bias)
+        return s.chosen if s is not None else "aten"
+
+    def for_shape(self, out_features: int, in_features: int, bias: bool) -> ShapeChoice | None:
         for s in self.rows:
             if (s.out_features, s.in_features, s.bias) == (out_features, in_features, bias):
-                return s.chosen
-        return "aten"
+                return s
+        return None
 
     def summary(self) -> str:
         """One line: which candidate each weight shape uses."""
@@ -204,7 +233,7 @@ class MatmulChoice(Result):
             " on a busy machine: measured again when it is quiet" if self.busy else "")
         att = f"; decode attention in {self.attention}" if self.attention_us else ""
         return (f"decode matmuls ({self.dtype}, {self.threads} threads, {how}): "
-                + ", ".join(f"{s.shape} → {s.chosen}" for s in self.rows) + att)
+                + ", ".join(f"{s.shape} → {s.described()}" for s in self.rows) + att)
 
     def table(self) -> str:
         """ms per weight at each row count, every candidate, the chosen one marked."""
@@ -214,7 +243,9 @@ class MatmulChoice(Result):
             for name, by_rows in s.ms.items():
                 mark = " *" if name == s.chosen else ""
                 lines.append(f"{s.shape:<16}{name + mark:<21}"
-                             + "".join(f"{by_rows.get(str(r), float('nan')):>9.3f}" for r in self.row_counts))
+                             + "".join(f"{by_rows.get(str(r), float('nan')):>9.3f}"
+                                       + ("<" if s.by_rows.get(str(r)) == name else " ")
+                                       for r in self.row_counts))
             for name, why in s.rejected.items():
                 lines.append(f"{s.shape:<16}{name:<21} rejected: {why}")
         for way, by_rows in self.attention_us.items():
@@ -222,8 +253,9 @@ class MatmulChoice(Result):
             lines.append(f"{'attention':<16}{way + mark:<21}"
                          + "".join(f"{by_rows.get(str(r), float('nan')) / 1e3:>9.3f}"
                                    for r in self.row_counts))
-        lines.append("(ms per weight, attention ms per layer at 256 cached tokens, median; * the chosen one: "
-                     "the least geometric mean of time ÷ the best at each row count)")
+        lines.append("(ms per weight, attention ms per layer at 256 cached tokens, median; * the chosen one, "
+                     "whose layout is held: the least geometric mean of time ÷ the best at each row count; "
+                     "< the kernel each row count runs, the fastest of that layout)")
         return "\n".join(lines)
 
 
@@ -267,7 +299,7 @@ def choice_key(shapes: list[tuple[int, int, bool]], dtype: torch.dtype, rows: tu
                heads: tuple[int, int, int] | None = None) -> str:
     what = {"machine": machine_id(), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "dtype": str(dtype), "shapes": sorted(shapes), "rows": list(rows), "heads": heads,
-            "candidates": sorted(CANDIDATES)}
+            "candidates": sorted(CANDIDATES), "routed": "by layout, then by row bucket"}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -328,11 +360,29 @@ def choose_for_shape(out_features: int, in_features: int, bias: bool, dtype: tor
         for name, xs in samples.items():
             sc.ms.setdefault(name, {})[str(r)] = statistics.median(xs)
     ready.clear()
-    best = {str(r): min(ms[str(r)] for ms in sc.ms.values()) for r in rows}
-    # the geometric mean of time ÷ best over the row counts: one slow sample weighs less than in a sum
-    score = {name: math.prod(ms[k] / best[k] for k in best) ** (1 / len(best)) for name, ms in sc.ms.items()}
-    sc.chosen = min(score, key=score.get) if score else "aten"
+    if sc.ms:
+        sc.chosen, sc.by_rows = route(sc.ms)
     return sc
+
+
+def route(ms: dict[str, dict[str, float]]) -> tuple[str, dict[str, str]]:
+    """From {candidate: {rows: ms}}: the layout to hold and the kernel each row count runs. Each
+    layout is scored by its fastest candidate at each row count: the geometric mean over the row
+    counts of that time ÷ the best of all there (one slow sample weighs less than in a sum). Returns
+    the held layout's overall best candidate (its name prepares the weight) and {rows: candidate}."""
+    best = {k: min(t[k] for t in ms.values()) for k in next(iter(ms.values()))}
+    layouts: dict[str, dict[str, str]] = {}
+    for name in ms:
+        fastest = layouts.setdefault(CANDIDATES[name].layout, {})
+        for k in best:
+            if k not in fastest or ms[name][k] < ms[fastest[k]][k]:
+                fastest[k] = name
+    score = {lay: math.prod(ms[fastest[k]][k] / best[k] for k in best) ** (1 / len(best))
+             for lay, fastest in layouts.items()}
+    by_rows = layouts[min(score, key=score.get)]
+    in_layout = set(by_rows.values())
+    chosen = min(in_layout, key=lambda n: math.prod(ms[n][k] / best[k] for k in best))
+    return chosen, by_rows
 
 
 def choose_decode_attention(heads: tuple[int, int, int], dtype: torch.dtype, rows: tuple[int, ...],
@@ -428,9 +478,9 @@ def apply(model: nn.Module, choice: MatmulChoice) -> int:
     Idempotent (a module already swapped is left alone); returns how many were swapped."""
     n = 0
     for (parent, name), mod in list(_linears(model)):
-        cand = choice.chosen(mod.out_features, mod.in_features, mod.bias is not None)
-        if cand != "aten":
-            setattr(parent, name, PackedLinear(mod, cand))
+        sc = choice.for_shape(mod.out_features, mod.in_features, mod.bias is not None)
+        if sc is not None and sc.chosen != "aten":
+            setattr(parent, name, PackedLinear(mod, sc.chosen, sc.by_rows))
             n += 1
     model.matmul_choice = choice
     return n
