@@ -68,6 +68,32 @@ def test_executes_in_fast_mode(path, tmp_path, monkeypatch):
     assert _snapshot(FIGURES) == before, f"{path.name} wrote into figures/ in fast mode"
 
 
+CLASS_NOTEBOOKS = [p for p in NOTEBOOKS if "MINILLM_CLASS" in p.read_text()]
+
+
+def test_the_long_notebooks_have_a_class_mode():
+    # docs/teaching.md's 90-minute plan runs these two live: each must finish in minutes on a laptop
+    assert {p.name for p in CLASS_NOTEBOOKS} >= {"02_four_metrics.ipynb", "06_honest_benchmarks.ipynb"}
+
+
+@pytest.mark.parametrize("path", CLASS_NOTEBOOKS, ids=lambda p: p.stem)
+def test_executes_in_class_mode(path, tmp_path, monkeypatch):
+    """What a lecturer runs (``MINILLM_CLASS=1``: the real model, smaller sizes), executed in full."""
+    from nbclient import NotebookClient
+    monkeypatch.delenv("MINILLM_FAST", raising=False)
+    monkeypatch.setenv("MINILLM_CLASS", "1")
+    monkeypatch.setenv("MINILLM_FIGURES_DIR", str(tmp_path / "figures"))
+    before = _snapshot(FIGURES)
+    nb = nbformat.read(path, as_version=4)
+    NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
+                   resources={"metadata": {"path": str(path.parent)}}).execute()
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+    assert not errors, f"{path.name}: {errors[0].ename}: {errors[0].evalue}"
+    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    assert "cpu-small" in text, f"{path.name}: class mode runs the real model, not the tiny one"
+    assert _snapshot(FIGURES) == before, f"{path.name} wrote into figures/ in class mode"
+
+
 ENDING = ("## Summary", "## Check your understanding", "## Exercises", "### Worked solutions")
 
 
