@@ -65,3 +65,28 @@ def test_llama_cpp_has_no_histograms_and_says_so_but_its_counters_agree():
     assert view.counters["prompt_tokens"] == PROMPT_TOKENS
     assert view.counters["generation_tokens"] == OUTPUT_TOKENS
     assert view.counters["generation_seconds"] > 0 and any("decode:" in line for line in view.lines())
+
+
+def _bench_result_with(view):
+    from minillm.loadgen.bench_serve import BenchConfig, BenchResult
+    from minillm.metrics.summary import summarize
+    return BenchResult(BenchConfig(base_url="http://vllm:8000"), "m", [], [], summarize([]), {},
+                       server_view=view.to_dict() if view is not None else None)
+
+
+def test_a_bench_run_on_vllm_is_diagnosed_from_its_histograms_alone():
+    _, view = _view("vllm")
+    d = _bench_result_with(view).server_diagnosis()
+    assert d.n_completed == REQUESTS
+    assert "vLLM names" in d.verdict or any("vLLM names" in n for n in d.notes)
+    assert any("not available from this server" in n for n in d.notes)      # no step records in /metrics
+    # the queue and prefill means it reports are the histograms' exact ones
+    text = d.text()
+    assert f"{view.stages['ttft'].mean_s * 1e3:.1f} ms" in text
+
+
+def test_a_server_without_readable_metrics_gives_no_diagnosis_not_a_made_up_one():
+    assert _bench_result_with(None).server_diagnosis() is None
+    _, view = _view("llamacpp")                 # counters only: no TTFT or queue histogram
+    d = _bench_result_with(view).server_diagnosis()
+    assert "not available from this server" in d.verdict

@@ -182,3 +182,17 @@ def test_bench_serve_view_without_metrics_says_not_available():
     before, after = parse_metrics(text("vllm_before.txt"), 0.0), parse_metrics(text("vllm_after.txt"), 5.0)
     view, lines = _server_view((before, None), (after, None))
     assert view["stages"]["queue"]["count"] == 20 and "vLLM names" in lines[0]
+
+
+def test_a_quantile_from_a_wide_first_bucket_never_contradicts_the_exact_mean():
+    from minillm.loadgen.server_metrics import Histogram
+    # 32 queue times averaging 3.2 ms, all in vLLM's first bucket (le 0.3 s): interpolation alone says 150 ms
+    h = Histogram([(0.3, 32.0), (0.5, 32.0), (float("inf"), 32.0)], 32.0, 32 * 0.0032)
+    assert h.quantile(0.5) == pytest.approx(0.15)
+    st = h.stage()
+    assert st.mean_s == pytest.approx(0.0032)
+    assert st.p50_s == pytest.approx(2 * 0.0032)          # at most half the values exceed twice the mean
+    assert st.p99_s == pytest.approx(0.3 * 0.99)          # the bucket's estimate, under 100 × the mean
+    # buckets narrow enough keep their own estimate
+    narrow = Histogram([(0.01, 10.0), (0.02, 20.0), (float("inf"), 20.0)], 20.0, 20 * 0.01)
+    assert narrow.stage().p50_s == pytest.approx(narrow.quantile(0.5)) == pytest.approx(0.01)

@@ -311,6 +311,17 @@ class BenchResult:
                 "requests": [rec(r) for r in self.records],
                 "warmup_requests": [rec(r) for r in self.warmup_records]}
 
+    def server_diagnosis(self):
+        """``diagnose`` from the server's own histograms over the timed run (scraped after the
+        warm-up and after the last request), for a server without ``/v1/traces``; None when its
+        ``/metrics`` could not be read (``server_view_lines`` says why)."""
+        from minillm.metrics.diagnose import ServerStage, diagnose_server_histograms
+        v = self.server_view
+        if v is None:
+            return None
+        stages = {k: ServerStage(**st) if st is not None else None for k, st in v["stages"].items()}
+        return diagnose_server_histograms(stages, v["source"], v["window"])
+
     def table(self) -> str:
         s = self.summary
         w = 34

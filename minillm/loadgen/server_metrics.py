@@ -147,8 +147,16 @@ class Histogram:
         return lower_le
 
     def stage(self) -> ServerStage:
-        return ServerStage(count=int(round(self.count)), mean_s=self.mean, p50_s=self.quantile(0.5),
-                           p99_s=self.quantile(0.99))
+        """Count, exact mean, and p50/p99 from the buckets, each at most what the mean allows: no more
+        than a fraction 1 − q of non-negative values can exceed mean ÷ (1 − q) (Markov's inequality).
+        Interpolating inside a wide first bucket otherwise says where the bucket ends: vLLM's
+        queue-time buckets start at 0.3 s, and a window of 3 ms queues (exact mean) read as p50 150 ms."""
+        mean = self.mean
+
+        def bounded(q: float) -> float | None:
+            est = self.quantile(q)
+            return est if est is None or mean is None else min(est, mean / (1 - q))
+        return ServerStage(count=int(round(self.count)), mean_s=mean, p50_s=bounded(0.5), p99_s=bounded(0.99))
 
 
 @dataclass
