@@ -91,3 +91,42 @@ def run_rate_sweep(cfg: BenchConfig, rates: Sequence[float] | None = None,
               concurrencies: Sequence[int] | None = None) -> list[BenchResult]:
     """Each point in turn, against the same server (never two at once: they would share it)."""
     return [run_bench(c) for c in sweep_configs(cfg, rates, concurrencies)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Offered against achieved, for any set of runs (notebook 06 shows it under every pair and sweep)
+def offered_load(cfg: BenchConfig) -> str:
+    """The load a run offered, in words: an open-loop rate and its arrival process, or a closed loop."""
+    if math.isinf(cfg.request_rate):
+        return f"closed loop, {cfg.max_concurrency} in flight" if cfg.max_concurrency else "all at once"
+    return f"{cfg.request_rate:.2f}/s " + ("Poisson" if cfg.burstiness == 1 else f"Gamma {cfg.burstiness:g}")
+
+
+def load_table(results: Sequence[BenchResult], labels: Sequence[str]) -> str:
+    """Offered against achieved, one line per run, and a note under any run the server fell behind
+    in or that had failures. Open loop: ``drawn`` is the rate of the random schedule the run drew
+    (N − 1 gaps between its first and last send time; a Poisson schedule of a few requests can come
+    out faster or slower than asked), ``completed`` the rate of completions between the first and
+    the last one (equal to ``drawn`` when the server kept up, lower when its queue grew through the
+    run), ``achieved`` N requests over first send → last completion. ``send lag``: how late the
+    client sent a request after its due time (a client that cannot keep up shows there)."""
+    def num(x: float | None, f: str) -> str:
+        return "-" if x is None else f.format(x)
+    w = max([len(label) for label in labels] + [3]) + 2
+    lines = [f"{'run':<{w}}{'offered':<26}{'drawn/s':>9}{'completed/s':>13}{'achieved/s':>12}"
+             f"{'ok':>5}{'failed':>8}{'max send lag':>14}"]
+    notes = []
+    for res, label in zip(results, labels):
+        d, done = drawn_rate(res), served_completion_rate(res)
+        lag = num(res.max_send_lag_ms or 0.0, "{:.0f} ms") if d is not None else "-"
+        lines.append(f"{label:<{w}}{offered_load(res.config):<26}{num(d, '{:.2f}'):>9}"
+                     f"{num(done, '{:.2f}'):>13}{res.summary.requests_s:>12.2f}{res.n_ok:>5}"
+                     f"{res.n_failed:>8}{lag:>14}")
+        if kept_up(res) is False:
+            notes.append(f"  ← {label}: completions came at {done / d:.0%} of the drawn arrival rate: the "
+                         "server fell behind, and this run's latencies include a growing queue")
+        if res.n_failed:
+            notes.append(f"  ← {label}: failures {res.failures()}")
+    lines.append(f"{'':<{w}}(drawn: the schedule's rate; completed: first → last completion; "
+                 "achieved: first send → last completion)")
+    return "\n".join(lines + notes)
