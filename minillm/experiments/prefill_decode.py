@@ -148,9 +148,44 @@ class PrefillDecodeResult(RunProvenance):
     def ok(self, phase: str) -> list[RooflineRow]:
         return [r for r in getattr(self, phase) if r.ok]
 
+    def samples(self) -> dict[str, list[float]]:
+        """Every measured row's forward-time samples (ms), keyed ``"phase tokens"`` (e.g. ``"decode 4"``):
+        what ``hardware.quiet.report`` checks for a spread."""
+        return {f"{r.phase} {r.tokens}": r.time_ms for r in self.prefill + self.decode if r.ok}
+
+    def summary(self, fraction: float = 0.8) -> str:
+        """The table's findings in four lines: the ridge point (and the prompt length at which the
+        formulas put prefill past it), the best prefill and where it gets within ``fraction`` of it,
+        decode at the smallest and largest batch, and what a decode token costs in prefill tokens."""
+        from minillm.model.config import ModelConfig
+        from minillm.perf.prefill import prefill_ridge_length
+        pre, dec = self.ok("prefill"), self.ok("decode")
+        try:
+            t_ridge = prefill_ridge_length(ModelConfig(**self.config), dtype_bytes(self.dtype),
+                                           self.ridge_point)
+        except (TypeError, ValueError):      # a config this version cannot rebuild
+            t_ridge = None
+        out = [f"ridge point I* = {self.ridge_point:.1f} FLOP/byte; the formulas put prefill past it from "
+               f"T = {t_ridge}"]
+        if pre:
+            best = max(pre, key=lambda r: r.achieved_flops)
+            out.append(f"prefill: best {best.achieved_flops / 1e9:.1f} GFLOP/s at T={best.tokens} "
+                       f"(MFU {best.mfu:.0%}); within {fraction * 100:.0f} % of that from T = "
+                       f"{roof_reached_at(self, fraction)}")
+        if dec:
+            out.append(f"decode: batch {dec[0].batch} at {dec[0].tok_s:.1f} tok/s, MBU {dec[0].mbu:.0%}; "
+                       f"batch {dec[-1].batch} at {dec[-1].tok_s:.0f} tok/s, MFU {dec[-1].mfu:.0%}")
+        ratio = cost_ratio(self)
+        if ratio:
+            out.append(f"one batch-1 decode token costs the time of {ratio['decode_b1_over_prefill']:.0f} "
+                       f"prefill tokens (T={ratio['prefill_tokens']}); at batch {ratio['batch']}: "
+                       f"{ratio['decode_bmax_over_prefill']:.1f}")
+        return "\n".join(out)
+
     def table(self) -> str:
         c = self.ceilings
-        out = [f"{self.model} {self.dtype} on {self.hardware.get('summary', self.device)}",
+        took = f", measured in {self.duration_s:.1f} s" if self.duration_s else ""
+        out = [f"{self.model} {self.dtype} on {self.hardware.get('summary', self.device)}{took}",
                f"ceilings ({c['source']}): " + bandwidth_words(c) + f", matmul {c['peak_flops'] / 1e9:.1f} "
                                                                     "GFLOP/s → ridge point I* = "
                                                                     f"{self.ridge_point:.1f} FLOP/byte",
@@ -172,6 +207,12 @@ class PrefillDecodeResult(RunProvenance):
         for w in busy_warnings(self):
             out.append("WARNING: " + w)
         return "\n".join(out)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def _repr_pretty_(self, p, cycle: bool) -> None:      # IPython/Jupyter show the table
+        p.text(self.table())
 
     def write(self, path: str | Path) -> Path:
         from minillm.core.result import dumps_strict

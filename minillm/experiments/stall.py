@@ -84,6 +84,28 @@ class StallRun(Result):
         return gaps_by_steps({r: self.token_steps[r] for r in self.short_ids},
                              [c["step"] for c in self.chunks])
 
+    def summary(self, sweep_prefill_ms: float | None = None) -> str:
+        """What happened to the long prompt, read from step numbers: the step(s) its prefill ran in,
+        with how many decode rows; the decoders' gaps that hold the whole prefill, one line each; and
+        the long prefill's time in this run's trace (beside ``sweep_prefill_ms``, a prefill sweep's
+        forward time for the same prompt length, when given)."""
+        c = self.chunks
+        whole = [g for g in self.gaps() if g.whole_prefill]
+        if len(c) == 1:
+            head = (f"the long prompt ran as step {c[0]['step']}: {c[0]['tokens']} prefill tokens, "
+                    f"{c[0]['decode_rows']} decode rows")
+        else:
+            head = (f"{len(c)} chunks ({', '.join(str(x['tokens']) for x in c)} tokens), each in a step with "
+                    f"{sorted({x['decode_rows'] for x in c})} decode rows")
+        out = [f"{self.policy}, budget {self.budget}: {head}; gaps holding the whole prefill: {len(whole)}"]
+        out += [f"  {g['request_id']}: token {g['index'] - 1} from step {g['step_from']}, token {g['index']} "
+                f"from step {g['step_to']}: the gap holds the whole prefill, {g['gap_ms']:.1f} ms"
+                for g in self.stalled]
+        sweep = f"; {sweep_prefill_ms:.1f} ms (forward) in the prefill sweep" if sweep_prefill_ms else ""
+        out.append(f"  the long prefill: {self.long_prefill_ms:.1f} ms in this run's trace"
+                   + (" (first chunk to last)" if len(c) > 1 else "") + sweep)
+        return "\n".join(out)
+
 
 def stall_setup(n_short: int = 8, long_prompt_len: int = 2048, min_budget: int = 64,
                 arrive_after_tokens: int = 16,
@@ -170,6 +192,12 @@ class Tradeoff(Result):
                        f"{r.itl_p50_ms:>11.1f}{r.long_ttft_ms:>13.1f}{r.output_tok_s:>10.1f}")
         out += ["WARNING: " + w for w in stall_warnings([self.prefill_first, *self.chunked])]
         return "\n".join(out)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def _repr_pretty_(self, p, cycle: bool) -> None:      # IPython/Jupyter show the table
+        p.text(self.table())
 
 
 def stall_warnings(runs: Sequence[StallRun | dict], spike: float = 3.0) -> list[str]:
