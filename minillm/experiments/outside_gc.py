@@ -46,6 +46,10 @@ class HeapPoint:
     full_ms: float           # a full collection, median of the repeats
     samples_ms: list[float] = field(default_factory=list)
 
+    def line(self) -> str:
+        return (f"+{self.extra:>9,} live objects → {self.objects:>9,} tracked: a full collection takes "
+                f"{self.full_ms:6.1f} ms")
+
 
 def collection_cost_by_heap(extras: tuple[int, ...] = (0, 250_000, 500_000, 1_000_000),
                             repeats: int = 5) -> list[HeapPoint]:

@@ -96,6 +96,14 @@ class HttpCost:
         lines.append("share = added p50 ÷ the HTTP value (of TTFT per request, of ITL per token)")
         return "\n".join(lines)
 
+    def summary(self) -> str:
+        """The table, then what it says in one sentence."""
+        chunk = (f", of which building + serializing the chunk is {self.sse_json_us:.1f} µs"
+                 if self.sse_json_us is not None else "")
+        return (f"{self.table()}\n\nper request the HTTP path adds {self.per_request_ms:.3f} ms "
+                f"({100 * self.share_of_ttft:.1f} % of TTFT); per token {self.per_token_ms:.3f} ms "
+                f"({100 * self.share_of_itl:.1f} % of ITL){chunk}")
+
 
 def http_costs(report, sse_us: float | list[float] | None = None) -> HttpCost:
     """``report``: an ``OverheadReport`` from ``run_http_overhead`` or its JSON (``bench-http

@@ -178,6 +178,10 @@ class SamplingBench(Result):
         title = "the per-row loop (before) ÷ the batched sampler (the engine's), same settings"
         return self._grid(title, [m for m in self.method_names if m != "greedy"], cell)
 
+    def summary(self) -> str:
+        """Both tables, batched ms per step and per-row ÷ batched, and how long the run took."""
+        return f"{self.table()}\n\n{self.speedup_table()}\n\n(measured in {self.duration_s:.1f} s)"
+
     def _grid(self, title: str, methods: list[str], cell) -> str:
         """One block per vocabulary: a row per batch, a column per method."""
         out = [title]

@@ -119,6 +119,23 @@ def phase_table(cases: list[PhaseCase]) -> str:
     return "\n".join(lines)
 
 
+def reach_table(cases: list[PhaseCase], share: float = CHAPTER_OUTSIDE_SHARE) -> str:
+    """The chapter's line against one metric, in a few lines: each case's share of a step outside
+    the forward, whether it reaches ``share``, and which cases do on this machine."""
+    lines = [f"the chapter's line, about {100 * share:.0f} %, against one metric: the share of a step's "
+             "wall time outside the forward (StepRecord phases)"]
+    lines += [f"  {c.label:<20} {100 * c.outside_share:5.1f} %  "
+              f"{'reaches it' if c.reaches(share) else 'below it'}" for c in cases]
+    reached = [c.label for c in cases if c.reaches(share)]
+    how = {c.sampling for c in cases}
+    how_text = f"{how.pop()} sampling" if len(how) == 1 else "these samplers"
+    verdict = (f"{', '.join(reached)} reach{'es' if len(reached) == 1 else ''} it" if reached
+               else f"no case reaches it on this metric with {how_text}")
+    lines.append(f"on this machine: {verdict} (section 7 of notebook 05 measures the chapter's own: "
+                 "device time against wall time)")
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------------------------
 # Running the engine
 # ---------------------------------------------------------------------------------------------
