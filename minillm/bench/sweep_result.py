@@ -164,6 +164,14 @@ class SweepResult(RunProvenance):
     def ceilings_line(self) -> str:
         return rf.ceilings_line(self.ceilings)
 
+    def summary(self) -> str:
+        """What this run shows, in sentences built from its numbers (:func:`describe`)."""
+        return describe(self.to_dict())
+
+    def _repr_pretty_(self, p, cycle: bool) -> None:
+        """A notebook cell that ends with a sweep (or ``display(res)``) shows its :meth:`table`."""
+        p.text("SweepResult(...)" if cycle else self.table())
+
     def table(self) -> str:
         hdr = (f"{'batch':>5} {'step ms':>9} {'engine ms':>10} {'served ms':>10} {'tok/s/req':>10} "
                f"{'tok/s agg':>10} {'% bound':>8} {'MBU':>6} {'MFU':>6}")
@@ -229,10 +237,10 @@ def describe_run(result: dict, tol: float = 0.10) -> list[str]:
                    "from the same weight read.")
     elif flat is not b1:
         nxt = ok[ok.index(flat) + 1]
+        then = "" if nxt is last else f"{nxt['per_request_tok_s']:.1f} at batch {nxt['batch']}, "
         out.append(f"Per-request tok/s stays within {100 * tol:.0f} % of batch {b1['batch']}'s {r1:.1f} up "
-                   f"to batch {flat['batch']}, then falls: {nxt['per_request_tok_s']:.1f} at batch "
-                   f"{nxt['batch']}, {last['per_request_tok_s']:.1f} at batch {last['batch']} "
-                   f"(×{last['per_request_tok_s'] / r1:.2f}).")
+                   f"to batch {flat['batch']}, then falls: {then}{last['per_request_tok_s']:.1f} at batch "
+                   f"{last['batch']} (×{last['per_request_tok_s'] / r1:.2f}).")
     elif len(ok) > 1:
         nxt = ok[1]
         out.append(f"Per-request tok/s is not flat here: it falls from the first step up, {r1:.1f} at batch "
@@ -283,3 +291,19 @@ def describe_run(result: dict, tol: float = 0.10) -> list[str]:
                    + ", ".join(f"batch {b} ×{s:.1f}" for b, s in noisy.items())
                    + ": rerun before reading them closely.")
     return out
+
+
+def describe(result: dict, source: str | None = None) -> str:
+    """A sweep in words, to read at once: a header (``source``, the hardware, the model), then
+    :func:`describe_run`'s sentences and how near batch 1 came to its bound, one per line."""
+    hw = (result.get("hardware") or {}).get("summary") or result.get("device", "")
+    head = f"{source} ({hw}, {result['model']} {result['dtype']}):" if source else \
+        f"{hw}, model {result['model']} {result['dtype']}:"
+    lines = describe_run(result)
+    ok = sorted((b for b in result["batches"] if b["status"] == "ok"), key=lambda b: b["batch"])
+    b1 = ok[0] if ok else {}
+    if all(b1.get(k) is not None for k in ("pct_of_bound", "per_request_tok_s", "mbu", "mfu")):
+        lines.append(f"Batch {b1['batch']} reached {100 * b1['pct_of_bound']:.0f} % of its bound "
+                     f"({b1['per_request_tok_s']:.1f} tok/s, MBU {100 * b1['mbu']:.0f} %) and used "
+                     f"{100 * b1['mfu']:.1f} % of the measured arithmetic peak (MFU).")
+    return "\n".join([head] + [f" - {line}" for line in lines])
