@@ -176,3 +176,20 @@ def test_every_cell_has_an_id(path):
     assert (raw["nbformat"], raw["nbformat_minor"]) >= (4, 5)
     missing = [i for i, c in enumerate(raw["cells"]) if not c.get("id")]
     assert not missing, f"{path.name}: cells without an id: {missing}"
+
+
+@pytest.mark.parametrize("stem", ["01_request_lifecycle", "02_four_metrics", "03_decode_roofline",
+                                  "06_honest_benchmarks", "07_core_qa"])
+def test_the_client_side_notebooks_measure_a_deployment_named_by_minillm_base_url(stem):
+    # docs/cluster.md: the cells that need no minillm-only trace send to MINILLM_BASE_URL when it is
+    # set, through bench-serve's client, and to a minillm serve of the kernel's own when it is not
+    nb = nbformat.read(ROOT / "notebooks" / f"{stem}.ipynb", as_version=4)
+    code = [c.source for c in nb.cells if c.cell_type == "code"]
+    remote = [s for s in code if 'os.environ.get("MINILLM_BASE_URL")' in s]
+    assert remote, f"{stem}: no cell reads MINILLM_BASE_URL"
+    assert any(("BenchConfig(" in s or "RemoteRooflineConfig(" in s) and "api_key=" in s for s in code), \
+        f"{stem}: no bench-serve client with a key"
+    text = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
+    if stem in ("03_decode_roofline", "06_honest_benchmarks"):     # no cell of theirs reads traces
+        return
+    assert "/v1/traces" in text and "/metrics" in text, f"{stem}: say what needs minillm's traces"

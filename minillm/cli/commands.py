@@ -143,17 +143,12 @@ def _remote_roofline(a: argparse.Namespace) -> int:
     import os
 
     from minillm.bench.sweep_result import default_batches, parse_batches
-    from minillm.core.device import dtype_bytes
     from minillm.loadgen.remote_roofline import (
-        Bound,
         RemoteRooflineConfig,
-        fetch_server_info,
-        hardware_bandwidth,
-        load_model_config,
         parse_parallel,
         run_remote_roofline,
+        server_bound,
     )
-    from minillm.perf.roofline import weight_bytes_per_step
     from minillm.plots.remote_roofline import save_remote_roofline
     try:
         batches = parse_batches(a.batches) if a.batches else default_batches(a.max_batch)
@@ -162,15 +157,8 @@ def _remote_roofline(a: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     key = a.api_key or os.environ.get("OPENAI_API_KEY") or os.environ.get("MINILLM_API_KEY")
-    info = fetch_server_info(a.base_url, key)
-    model_cfg, cfg_source = load_model_config(a.config, info)
-    dtype = a.dtype or info.get("dtype") or "bf16"
-    nbytes = dtype_bytes(dtype)
-    bw, peak, bw_source, hw = hardware_bandwidth(a.hardware, info, tp, a.bandwidth)
-    context = max(1, a.max_tokens // 2 + 8)   # the KV cache's mean length over a stream's middle
-    weights = weight_bytes_per_step(model_cfg, nbytes, 1) if model_cfg else None
-    kv = model_cfg.kv_bytes_per_token(nbytes) if model_cfg else None
-    bound = Bound(bw, bw_source, weights, kv, context, cfg_source, dtype, peak)
+    bound, model_cfg, nbytes, hw = server_bound(a.base_url, key, a.max_tokens, a.config, a.hardware, tp,
+                                                a.bandwidth, a.dtype)
     cfg = RemoteRooflineConfig(base_url=a.base_url, batches=batches, api_key=key,
                                model=a.model, max_tokens=a.max_tokens)
     try:

@@ -336,6 +336,25 @@ def hardware_bandwidth(hardware: str | None, server_info: dict, tp: int,
     return spec.bandwidth * tp, (peak * tp if peak else None), f"{spec.source} × tp={tp}", spec.name
 
 
+def server_bound(base_url: str, api_key: str | None, max_tokens: int, config: str | None = None,
+                 hardware: str | None = None, tp: int = 1, bandwidth_gbs: float | None = None,
+                 dtype: str | None = None):
+    """Everything the bound of a server's batches needs, from what it says of itself
+    (``/v1/server-info``, minillm's) and what the caller states: returns (the :class:`Bound`, the
+    model's config or None, bytes per weight, the hardware's name)."""
+    from minillm.core.device import dtype_bytes
+    from minillm.perf.roofline import weight_bytes_per_step
+    info = fetch_server_info(base_url, api_key)
+    model_cfg, cfg_source = load_model_config(config, info)
+    dtype = dtype or info.get("dtype") or "bf16"
+    nbytes = dtype_bytes(dtype)
+    bw, peak, bw_source, hw = hardware_bandwidth(hardware, info, tp, bandwidth_gbs)
+    context = max(1, max_tokens // 2 + 8)     # the KV cache's mean length over a stream's middle
+    weights = weight_bytes_per_step(model_cfg, nbytes, 1) if model_cfg else None
+    kv = model_cfg.kv_bytes_per_token(nbytes) if model_cfg else None
+    return Bound(bw, bw_source, weights, kv, context, cfg_source, dtype, peak), model_cfg, nbytes, hw
+
+
 def fetch_server_info(base_url: str, api_key: str | None) -> dict:
     """minillm's ``GET /v1/server-info``; {} from a server that has none (vLLM, SGLang, llama.cpp)."""
     import httpx
