@@ -193,6 +193,15 @@ def test_stall_gap_contains_the_long_prefill(stall_run):
     assert len(stall_run.stalled_gaps()) == 3
 
 
+def test_the_stall_summary_reads_its_numbers_from_the_gaps(stall_run):
+    text = stall_run.summary()
+    assert len(text.splitlines()) >= 5
+    # every stalled gap is listed with its own length, as measured
+    for g in stall_run.stalled_gaps():
+        assert f"{g.gap_s * 1e3:.1f}" in text
+    assert "3 of them contain the 512-token prefill" in text.splitlines()[0]    # one per decoder
+
+
 def test_stall_scenario_checks_its_arguments(tiny_llm):
     with pytest.raises(ValueError, match="still decoding"):
         stall_scenario(tiny_llm, short_output=4, arrive_after_tokens=4)

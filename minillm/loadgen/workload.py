@@ -409,6 +409,38 @@ class StallResult(_FinishedOutputs):
         """Gaps of the short requests that contain the long request's prefill."""
         return [g for g in self.gaps() if g.request_id in self.short_ids and self.long_id in g.prefills]
 
+    def describe(self) -> str:
+        """The scenario in one line (a figure's stamp): how many short requests, how long the prompt
+        that arrives, and when."""
+        i = self.info
+        return (f"stall scenario: {i['n_short']} short requests x {i['short_output']} tokens, long prompt "
+                f"{i['long_prompt_len']} tokens arriving after {i['arrive_after_tokens']} tokens")
+
+    def summary(self) -> str:
+        """What the stall did, read from the traces, in six lines: how many gaps hold the long prompt's
+        prefill (and how long that prefill took), the median of the gaps that hold no prefill, every
+        stalled gap, the ITL distribution (p50, mean, p99, max, pooled over every gap), the share of
+        gaps that stalled, and whether p99 falls on the stalled gaps."""
+        gaps, stalled = self.gaps(), self.stalled_gaps()
+        normal_ms = np.array([g.gap_s for g in gaps if not g.stalled]) * 1e3
+        long_m = next(m for m in self.metrics if m.request_id == self.long_id)
+        d = summarize(self.metrics).itl
+        out = [f"{len(gaps)} gaps; {len(stalled)} of them contain the {self.info['long_prompt_len']}-token "
+               f"prefill (the long request's prefill took {long_m.breakdown['prefill'] * 1e3:.1f} ms)",
+               f"gaps without a prefill: median {np.median(normal_ms):.2f} ms" if normal_ms.size
+               else "no gap without a prefill",
+               f"stalled gaps:           {', '.join(f'{g.gap_s * 1e3:.1f}' for g in stalled) or '-'} ms",
+               f"ITL: p50 {d.p50 * 1e3:.2f} ms | mean {d.mean * 1e3:.2f} ms | p99 {d.p99 * 1e3:.2f} ms | "
+               f"max {d.max * 1e3:.2f} ms",
+               f"share of gaps that stalled: {len(stalled) / max(len(gaps), 1):.1%}"]
+        if not stalled:
+            out.append("no gap held the long prefill: it did not arrive while the short requests decoded")
+        elif d.p99 >= min(g.gap_s for g in stalled):
+            out.append("p99 falls on the stalled gaps")
+        else:
+            out.append("p99 lies below the stalled gaps (they are under 1% of the gaps here)")
+        return "\n".join(out)
+
 
 def stall_scenario(llm, n_short: int = 4, short_prompt_len: int = 16, short_output: int = 48,
                    long_prompt_len: int = 1024, long_output: int = 4, arrive_after_tokens: int = 16,
