@@ -129,3 +129,20 @@ def test_roofline_base_url_against_minillm_serve_matches_its_traces(tmp_path, ca
         assert row["aggregate_tok_s"] == pytest.approx(agg, rel=TOLERANCE)
         # the bound: 20 GB/s over the tiny model's bytes at this batch, B times for the batch
         assert row["bound_aggregate_tok_s"] == pytest.approx(row["batch"] * row["bound_per_request_tok_s"])
+
+
+def test_the_bound_reads_the_checkpoints_dtype_when_the_server_does_not_say(tmp_path):
+    # vLLM has no /v1/server-info: a float32 checkpoint's bound must count 4 bytes a weight, not bf16's 2
+    import json
+
+    from minillm.loadgen.remote_roofline import config_dtype, server_bound
+    hf = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 256, "max_position_embeddings": 128,
+          "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "dtype": "float32"}    # transformers 5: "dtype"
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    assert config_dtype(str(tmp_path)) == "fp32" and config_dtype(None) is None
+    closed = "http://127.0.0.1:9"                       # nothing listens: no /v1/server-info
+    b32, _, nbytes, _ = server_bound(closed, None, 64, config=str(tmp_path), bandwidth_gbs=10)
+    assert nbytes == 4 and b32.dtype == "fp32"
+    b16, _, nbytes16, _ = server_bound(closed, None, 64, config=str(tmp_path), bandwidth_gbs=10, dtype="bf16")
+    assert nbytes16 == 2 and b16.weight_bytes * 2 == b32.weight_bytes

@@ -336,6 +336,22 @@ def hardware_bandwidth(hardware: str | None, server_info: dict, tp: int,
     return spec.bandwidth * tp, (peak * tp if peak else None), f"{spec.source} × tp={tp}", spec.name
 
 
+def config_dtype(path: str | None) -> str | None:
+    """The dtype a Hugging Face config names (``torch_dtype``, or ``dtype`` in newer files), or None."""
+    import json
+    from pathlib import Path
+    if not path:
+        return None
+    p = Path(path)
+    p = p / "config.json" if p.is_dir() else p
+    try:
+        d = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    name = d.get("torch_dtype") or d.get("dtype")
+    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(str(name)) if name else None
+
+
 def server_bound(base_url: str, api_key: str | None, max_tokens: int, config: str | None = None,
                  hardware: str | None = None, tp: int = 1, bandwidth_gbs: float | None = None,
                  dtype: str | None = None):
@@ -346,7 +362,9 @@ def server_bound(base_url: str, api_key: str | None, max_tokens: int, config: st
     from minillm.perf.roofline import weight_bytes_per_step
     info = fetch_server_info(base_url, api_key)
     model_cfg, cfg_source = load_model_config(config, info)
-    dtype = dtype or info.get("dtype") or "bf16"
+    # vLLM's "auto" serves a checkpoint in the dtype its config names: a float32 checkpoint read as
+    # bf16 halves the bytes and doubles the bound (seen against vLLM's CPU build)
+    dtype = dtype or info.get("dtype") or config_dtype(config) or "bf16"
     nbytes = dtype_bytes(dtype)
     bw, peak, bw_source, hw = hardware_bandwidth(hardware, info, tp, bandwidth_gbs)
     context = max(1, max_tokens // 2 + 8)     # the KV cache's mean length over a stream's middle
