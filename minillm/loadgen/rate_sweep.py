@@ -6,6 +6,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from minillm.core.result import Col, text_table
 from minillm.loadgen.bench_serve import BenchConfig, BenchResult, run_bench
 
 
@@ -110,23 +111,21 @@ def load_table(results: Sequence[BenchResult], labels: Sequence[str]) -> str:
     the last one (equal to ``drawn`` when the server kept up, lower when its queue grew through the
     run), ``achieved`` N requests over first send → last completion. ``send lag``: how late the
     client sent a request after its due time (a client that cannot keep up shows there)."""
-    def num(x: float | None, f: str) -> str:
-        return "-" if x is None else f.format(x)
     w = max([len(label) for label in labels] + [3]) + 2
-    lines = [f"{'run':<{w}}{'offered':<26}{'drawn/s':>9}{'completed/s':>13}{'achieved/s':>12}"
-             f"{'ok':>5}{'failed':>8}{'max send lag':>14}"]
-    notes = []
+    cols = [Col("run", w, left=True), Col("offered", 26, left=True), Col("drawn/s", 9, ".2f"),
+            Col("completed/s", 13, ".2f"), Col("achieved/s", 12, ".2f"), Col("ok", 5), Col("failed", 8),
+            Col("max send lag", 14, ".0f", " ms")]
+    rows, notes = [], []
     for res, label in zip(results, labels):
         d, done = drawn_rate(res), served_completion_rate(res)
-        lag = num(res.max_send_lag_ms or 0.0, "{:.0f} ms") if d is not None else "-"
-        lines.append(f"{label:<{w}}{offered_load(res.config):<26}{num(d, '{:.2f}'):>9}"
-                     f"{num(done, '{:.2f}'):>13}{res.summary.requests_s:>12.2f}{res.n_ok:>5}"
-                     f"{res.n_failed:>8}{lag:>14}")
+        rows.append([label, offered_load(res.config), d, done, res.summary.requests_s, res.n_ok, res.n_failed,
+                     (res.max_send_lag_ms or 0.0) if d is not None else None])
         if kept_up(res) is False:
             notes.append(f"  ← {label}: completions came at {done / d:.0%} of the drawn arrival rate: the "
                          "server fell behind, and this run's latencies include a growing queue")
         if res.n_failed:
             notes.append(f"  ← {label}: failures {res.failures()}")
+    lines = text_table(cols, rows)
     lines.append(f"{'':<{w}}(drawn: the schedule's rate; completed: first → last completion; "
                  "achieved: first send → last completion)")
     return "\n".join(lines + notes)
