@@ -43,13 +43,11 @@ def test_compiled_decode_gives_the_same_tokens_as_eager(dtype, logprob_tol):
     from torch._dynamo.utils import counters
     counters.clear()
     compiled, eng_c = _generate(model, tok, prompts, compile=True)
-    # the settings reached the compiler: bf16 weights were frozen and pre-packed for the CPU's
-    # bf16 kernels (freezing must be on while TorchDynamo traces), fp32 weights were not
+    # the settings reached the compiler: the weights were frozen and pre-packed for the CPU's
+    # kernels (freezing must be on while TorchDynamo traces)
     packed = counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"]
-    if dtype == "bf16" and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if dtype == "fp32" or torch.ops.mkldnn._is_mkldnn_bf16_supported():
         assert packed > 0
-    elif dtype == "fp32":
-        assert packed == 0
     assert eng_e.runner.compile_s == {} and not eng_e.runner.static_decode
     assert [o.token_ids for o in compiled] == [o.token_ids for o in eager]
     assert len({t for o in eager for t in o.token_ids}) > 2          # not a degenerate repeat

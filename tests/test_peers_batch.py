@@ -71,3 +71,31 @@ def test_llama_cpp_runs_through_the_binary_and_reads_its_table(tmp_path, monkeyp
                              rounds=1, engines=("llama.cpp",), llama_batched_bench=str(fake))
     assert [rep.get("llama.cpp", b).tok_s for b in (1, 2)] == [100.0, 160.0]
     assert "llama-batched-bench, GGUF F32" in rep.notes["llama.cpp"]
+
+
+def test_minillm_compiled_is_unavailable_with_the_reason_where_nothing_compiles(monkeypatch):
+    from minillm.engine import compiled
+    monkeypatch.setattr(compiled, "compile_unavailable", lambda dev: "no C++ compiler here")
+    rep = pb.run_batch_peers(model="tiny", dtype="fp32", batches=(1,), prompt_tokens=8, new_tokens=4,
+                             rounds=1, engines=("minillm", "minillm compiled"))
+    assert rep.get("minillm", 1).status == "ok"
+    assert rep.get("minillm compiled", 1).status == "unavailable: no C++ compiler here"
+    with pytest.raises(ValueError, match="minillm compiled"):
+        pb.run_batch_peers(model="tiny", batches=(1,), engines=("vllm",))
+
+
+def test_the_faster_minillm_path_is_compared_batch_by_batch():
+    """Eager wins at B = 2, compiled at B = 1: the "faster path" line takes each batch's better one."""
+    rows = [pb.BatchPeerRow("minillm", 1, tok_s=50.0), pb.BatchPeerRow("minillm", 2, tok_s=120.0),
+            pb.BatchPeerRow("minillm compiled", 1, tok_s=80.0),
+            pb.BatchPeerRow("minillm compiled", 2, tok_s=90.0),
+            pb.BatchPeerRow("llama.cpp", 1, tok_s=40.0), pb.BatchPeerRow("llama.cpp", 2, tok_s=100.0)]
+    for r in rows:
+        r.pct_of_bound = 0.5
+    rep = pb.BatchPeerReport("tiny", "cpu", "fp32", 8, 4, 1, 2, 1e10, [1, 2], {"1": 10**6, "2": 10**6}, rows)
+    assert rep.ours_tok_s("minillm, faster path", 1) == 80.0
+    assert rep.ours_tok_s("minillm, faster path", 2) == 120.0
+    text = rep.table()
+    assert "minillm ÷ llama.cpp at B = 1, 2: 1.25×, 1.20×" in text
+    assert "minillm compiled ÷ llama.cpp at B = 1, 2: 2.00×, 0.90×" in text
+    assert "minillm, faster path ÷ llama.cpp at B = 1, 2: 2.00×, 1.20×" in text

@@ -316,6 +316,8 @@ def test_roofline_cli_with_a_checkpoint_directory_writes_json_csv_and_figure(tmp
     assert jp.exists() and cp.exists()
     data = json.loads(jp.read_text())
     assert data["model"] == str(ckpt) and [b["status"] for b in data["batches"]] == ["ok", "ok"]
+    assert data["matmul"]["path"] == "fastest"                # the command's default: packed or compiled per batch
+    assert {b["path"] for b in data["batches"]} <= {"packed", "compiled"}
     assert len(cp.read_text().strip().splitlines()) == 3
     assert ((figs / "10-3-decode-roofline.png").stat().st_size > 1000
             and (figs / "10-3-decode-roofline.svg").exists())
@@ -423,3 +425,54 @@ def test_describe_run_and_the_figure_mark_noisy_rows():
     assert any(lab.startswith("noisy") for lab in labels)
     assert any("measured knee: none" in lab for lab in labels)
     plt.close(fig)
+
+
+def test_no_knee_with_one_point_past_the_turn_says_so_without_nan():
+    """A sweep of 1, 2, 4, 8, 64 leaves one point past a candidate knee near 10: there is no slope
+    to read there, and the reason must say so instead of printing B^nan."""
+    fit = rf.knee_fit([1, 2, 4, 8, 64], [17.65, 18.54, 19.65, 25.92, 70.93])
+    assert fit.knee is None
+    assert "nan" not in fit.reason and "one point only (64)" in fit.reason
+
+
+def test_the_fastest_path_keeps_the_faster_of_packed_and_compiled_at_each_batch(monkeypatch):
+    """One batch, both paths measured: the row is the faster one's, both timings are kept, the
+    compile is timed apart (never one of the timed steps), and the table and the JSON say which
+    path ran."""
+    from minillm.bench.sweep import run_sweep
+    from minillm.engine.compiled import compile_unavailable
+    if compile_unavailable("cpu"):
+        pytest.skip(compile_unavailable("cpu"))
+    _small_ceilings(monkeypatch)
+    res = run_sweep(model="tiny", device="cpu", batches=[1], steps=3, warmup=1, progress=False, served=False,
+                    path="fastest")
+    row = res.batches[0]
+    assert row.status == "ok" and res.matmul["path"] == "fastest"
+    alt = row.alternatives
+    assert set(alt) == {"packed", "compiled"}
+    assert alt["compiled"]["compile_s"] > 0 and alt["packed"]["compile_s"] is None
+    faster = min(alt, key=lambda p: alt[p]["forward_ms_median"])
+    assert row.path == faster and row.forward_ms_median == alt[faster]["forward_ms_median"]
+    assert len(row.forward_ms) == 3 and len(row.engine_ms) == 3     # the compiling step is not among them
+    if faster == "compiled":
+        assert row.compile_s == alt["compiled"]["compile_s"]
+        assert "path: fastest per batch: compiled decode at B = 1" in res.table()
+    else:
+        assert "the compiled decode was slower" in res.table()
+    assert res.table().splitlines()[2].endswith("path")
+    assert res.to_dict()["batches"][0]["path"] == row.path
+
+
+def test_a_path_that_cannot_run_here_is_refused_or_replaced_with_the_reason(monkeypatch):
+    from minillm.bench import sweep
+    from minillm.engine import compiled
+    cpu = sweep.torch.device("cpu")
+    assert sweep.resolve_path("packed", False, cpu) == ("packed", "")
+    assert sweep.resolve_path("fastest", True, cpu) == ("plain", " (--enforce-eager)")
+    with pytest.raises(ValueError, match="path must be one of fastest, packed, compiled, plain"):
+        sweep.resolve_path("turbo", False, cpu)
+    monkeypatch.setattr(compiled, "compile_unavailable", lambda dev: "no C++ compiler here")
+    path, why = sweep.resolve_path("fastest", False, cpu)
+    assert path == "packed" and "no C++ compiler here" in why
+    with pytest.raises(ValueError, match=r"cannot run here: no C\+\+ compiler here"):
+        sweep.resolve_path("compiled", False, cpu)

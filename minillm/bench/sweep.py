@@ -126,10 +126,25 @@ def served_lengths(batch: int, context: int, seed: int = 0) -> list[int]:
     return torch.randint(max(1, context // 2), context + context // 2 + 1, (batch,), generator=g).tolist()
 
 
+def _compiled_step_fn(engine, rows: int):
+    """The compiled path's step alone: the runner's compiled static decode of the bucket that the
+    engine's last step filled (forward and logits, as ``_forward_fn``; no scheduling, no sampling)
+    replayed on the same buffers, as a CUDA graph is replayed. K/V is read through the bucket's
+    length, a power of two at or above the context: the engine's own decode, not the ideal view."""
+    runner = engine.runner
+    sd = next(sd for (b, _), sd in reversed(runner._static.items()) if b == rows)
+    return lambda: runner._run_static(sd)                                      # [rows, V]
+
+
 @torch.inference_mode()
 def measure_batch(engine, batch: int, context: int, warmup: int, steps: int, use_graphs: bool,
                   served: bool = True) -> BatchResult:
-    need = context + context // 2 + warmup + 2 * steps + 2            # the engine steps advance the sequences
+    """One batch on ``engine``: its forward alone, its whole step on the ideal layout, and (``served``)
+    its step on a served layout (see the module docstring). An engine that compiles its decode
+    (``EngineConfig.compile``) pays the compile in a first step that no timing includes
+    (``BatchResult.compile_s``), and its forward is its compiled step (``_compiled_step_fn``)."""
+    compiled = engine.runner.compile
+    need = context + context // 2 + warmup + 2 * steps + 3            # the engine steps advance the sequences
     if engine.max_model_len < need:
         # the KV cache shrank to fit memory: writing past it is a device-side assert on CUDA
         raise MemoryError(f"out of memory: the KV cache for batch {batch} holds {engine.max_model_len} "
@@ -149,12 +164,20 @@ def measure_batch(engine, batch: int, context: int, warmup: int, steps: int, use
         engine.allocator.forget()
 
     seqs = fill_running_batch(engine, batch, context)
+    compile_s = None
     try:
-        fwd = _time_steps(_forward_fn(engine, seqs, use_graphs), engine.device, warmup, steps)
+        if compiled:
+            engine_step_checked()            # the bucket's first step compiles: timed apart, never mixed in
+            compile_s = sum(engine.runner.compile_s.values())
+            forward = _compiled_step_fn(engine, engine.runner.static_bucket_rows(batch))
+        else:
+            forward = _forward_fn(engine, seqs, use_graphs)
+        fwd = _time_steps(forward, engine.device, warmup, steps)
         eng = _time_steps(engine_step_checked, engine.device, 1, steps)
     finally:
         release(seqs)
-    r = BatchResult(batch, "ok", context, forward_ms=fwd, engine_ms=eng)
+    r = BatchResult(batch, "ok", context, forward_ms=fwd, engine_ms=eng,
+                    path="compiled" if compiled else "", compile_s=compile_s)
     if served:
         lens = served_lengths(batch, context)
         order = torch.randperm(batch, generator=torch.Generator().manual_seed(batch)).tolist()
@@ -192,20 +215,104 @@ def _fill_derived(r: BatchResult, cfg, nbytes: int, bw: float, peak: float) -> N
         r.served_gap = r.served_ms_median / r.engine_ms_median
 
 
+PATHS = ("fastest", "packed", "compiled", "plain")
+
+
+def resolve_path(path: str, enforce_eager: bool, dev: torch.device) -> tuple[str, str]:
+    """The decode path a sweep runs, and why when it is not the one asked for.
+
+    - ``plain``: torch's own ``F.linear`` (``--enforce-eager``), the readable reference;
+    - ``packed``: the decode matmuls chosen on this machine (engine/matmul.py), eager otherwise;
+      on CUDA, CUDA graphs;
+    - ``compiled``: the engine's compiled decode (engine/compiled.py: Inductor, weights frozen and
+      packed per row bucket), one graph per batch, each first compile timed apart;
+    - ``fastest``: ``packed`` at every batch, then ``compiled`` from the smallest batch up while it is
+      faster; each row keeps the faster and both timings (``BatchResult.alternatives``).
+
+    Why both on a CPU: measured on the 2-core Xeon VM (``cpu-small`` fp32, 2 threads, engine step
+    at 128 cached tokens), the compiled step took 13.5, 16.0, 19.4, 24.3 ms at B = 1, 2, 4, 8
+    against 18.8, 21.0, 22.3, 27.9 ms packed (the time outside the matmuls shrinks), but 39.8,
+    68.7, 113.4 ms at 16, 32, 64 against 35.5, 52.5, 81.1. A server does the same thing: vLLM
+    captures CUDA graphs up to a batch size and runs eager above it."""
+    if enforce_eager:
+        return "plain", " (--enforce-eager)"
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {', '.join(PATHS)}, got {path!r}")
+    if path in ("compiled", "fastest"):
+        from minillm.engine.compiled import compile_unavailable
+        why = compile_unavailable(dev)
+        if why is None and dev.type != "cpu" and path == "fastest":
+            why = "on a GPU the decode runs through CUDA graphs; the compiled path is measured on a CPU only"
+        if why is not None:
+            if path == "compiled":
+                raise ValueError(f"path 'compiled', but torch.compile cannot run here: {why}")
+            return "packed", f" (fastest: no compiled path: {why})"
+    return path, ""
+
+
+def _sweep_rows(measure: Callable[[int, bool], BatchResult], batches: list[int], path: str,
+                desc: str | None) -> list[BatchResult]:
+    """Every batch on ``path`` (``measure(batch, compiled)``); for ``fastest``, packed first, then
+    compiled from the smallest batch up until the packed row was the faster at two batches in a row
+    (past them, the measurements in ``resolve_path`` found it faster still, so no more compiles are
+    paid; one loss alone can be noise: a 10-step median at B = 4 once read 21.4 ms where 20 steps
+    read 17.5)."""
+    bar = None
+    if desc:
+        from tqdm.auto import tqdm
+        total = len(batches) * (2 if path == "fastest" else 1)
+        bar = tqdm(total=total, desc=desc, unit="batch", file=sys.stderr)
+
+    def one(b: int, compiled: bool) -> BatchResult:
+        r = measure(b, compiled)
+        if bar is not None:
+            bar.update(1)
+            if r.status == "ok":
+                bar.set_postfix_str(f"B={b}{' compiled' if compiled else ''}: {r.aggregate_tok_s:.0f} tok/s")
+        return r
+
+    results = [one(b, path == "compiled") for b in batches]
+    if path == "fastest":
+        losses = 0
+        for i, r in enumerate(results):
+            if r.status != "ok":
+                continue
+            c = one(r.batch, True)
+            r.alternatives = {"packed": r.timings()}
+            if c.status != "ok":
+                r.alternatives["compiled"] = {"status": c.status}
+                break
+            r.alternatives["compiled"] = c.timings()
+            if c.forward_ms_median >= r.forward_ms_median:
+                losses += 1
+                if losses == 2:
+                    break
+                continue
+            losses = 0
+            c.alternatives = r.alternatives
+            results[i] = c
+    if bar is not None:
+        bar.close()
+    return results
+
+
 def run_sweep(model: str | None = None, device: str | None = None, dtype: str | None = None,
               batches: list[int] | None = None, context: int | None = None, warmup: int = 3, steps: int = 10,
               cuda_graphs: bool = True, measure_ceilings: bool = True, progress: bool = True,
               command: str | None = None, copy_bytes: int | None = None, matmul_n: int | None = None,
               seed: int = 0, partial_path: str | Path | None = None, served: bool = True,
               read_bytes: int | None = None, out_dir: str | Path | None = None,
-              figures_dir: str | Path | None = None, enforce_eager: bool = False) -> SweepResult:
+              figures_dir: str | Path | None = None, enforce_eager: bool = False,
+              path: str = "packed") -> SweepResult:
     """Sweep decode batches (see the module docstring). ``partial_path``: append each batch's result there as
     one JSON line as soon as it is measured, so a sweep killed by a time limit keeps what it measured.
     ``out_dir``, ``figures_dir`` (and ``partial_path``'s directory): checked for writing before anything is
     measured. ``read_bytes``: the read-bandwidth buffer (default: ``copy_bytes`` when that is given, so a
-    small test stays small, else twice the last-level cache). ``enforce_eager``: the plain path (torch's own
-    matmuls, no CUDA graphs); by default the engine's decode matmuls are the ones chosen on this machine
-    (engine/matmul.py), chosen before the first batch and not timed."""
+    small test stays small, else twice the last-level cache). ``path``: which decode runs
+    (:func:`resolve_path`); the library's default is ``packed``, the decode matmuls chosen on this machine
+    (engine/matmul.py, chosen before the first batch and not timed), because it compiles nothing; the
+    ``roofline`` command's is ``fastest``. ``enforce_eager``: the plain path (torch's own matmuls, no CUDA
+    graphs), whatever ``path`` says."""
     from minillm.core.device import default_dtype, parse_dtype, pick_device
     from minillm.engine.engine import LLMEngine
     from minillm.engine.matmul import prepare as prepare_matmuls
@@ -242,33 +349,31 @@ def run_sweep(model: str | None = None, device: str | None = None, dtype: str | 
             raise ValueError("no spec ceilings are known for this hardware: measure them (drop --no-measure)")
         ceil = {"bandwidth": bw, "peak_flops": peak, "source": "spec"}
 
-    cuda_graphs = cuda_graphs and not enforce_eager
-    mode = "aten" if enforce_eager else "auto"
+    path, path_why = resolve_path(path, enforce_eager, dev)
+    cuda_graphs = cuda_graphs and path != "plain"
+    mode = "aten" if path == "plain" else "auto"
     t_choose = time.perf_counter()
     choice = prepare_matmuls(m, mode)
-    matmul = {"mode": mode, "choose_s": time.perf_counter() - t_choose,
+    matmul = {"mode": mode, "choose_s": time.perf_counter() - t_choose, "path": path,
               "choice": choice.to_dict() if choice is not None else None,
-              "why": (" (--enforce-eager)" if enforce_eager
-                      else "" if choice else f" (no choice on {dev.type})")}
+              "why": (path_why if path_why
+                      else "" if choice or path == "compiled" else f" (no choice on {dev.type})")}
     if choice is not None and progress:
         print(choice.summary(), file=sys.stderr)
-    results: list[BatchResult] = []
     if partial_path is not None:               # this run's rows only
         Path(partial_path).parent.mkdir(parents=True, exist_ok=True)
         Path(partial_path).write_text("")
-    it = batches
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-        bar = tqdm(batches, desc=f"roofline {model} {dtype_name(dt)}", unit="batch", file=sys.stderr)
-        it = bar
-    for b in it:
+
+    def measure(b: int, compiled: bool) -> BatchResult:
         engine = None
         try:
             engine = LLMEngine(m, tok, max_batch_size=b, kv_memory_fraction=0.9, matmul=mode,
-                               enforce_eager=enforce_eager or (not cuda_graphs and dev.type == "cuda"),
+                               compile=compiled,
+                               enforce_eager=path == "plain" or (not cuda_graphs and dev.type == "cuda"),
                                max_model_len=context + context // 2 + warmup + 3 * steps + 8)
             r = measure_batch(engine, b, context, warmup, steps, cuda_graphs, served)
+            if not r.path:                # measure_batch names the compiled path itself
+                r.path = "packed" if path == "fastest" else path
             _fill_derived(r, cfg, nbytes, bw, peak)
         except Exception as e:      # one batch failing must not end the sweep
             if not is_oom(e):
@@ -282,12 +387,15 @@ def run_sweep(model: str | None = None, device: str | None = None, dtype: str | 
                     torch.cuda.empty_cache()
                 except RuntimeError:          # a sticky CUDA error: the row already says why
                     pass
-        results.append(r)
         if partial_path is not None:
             with open(partial_path, "a") as f:
                 f.write(json.dumps(json_finite(asdict(r)), allow_nan=False) + "\n")
-        if bar is not None and r.status == "ok":
-            bar.set_postfix_str(f"B={b}: {r.aggregate_tok_s:.0f} tok/s")
+        return r
+
+    results = _sweep_rows(measure, batches, path, f"roofline {model} {dtype_name(dt)}" if progress else None)
+    if path == "fastest":
+        matmul["compiled_up_to"] = max((r.batch for r in results if r.alternatives.get("compiled")),
+                                       default=None)
     ok = [r for r in results if r.status == "ok"]
     fit = rf.knee_fit([r.batch for r in ok], [r.forward_ms_median for r in ok])
     knee = fit.knee

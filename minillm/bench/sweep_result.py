@@ -122,6 +122,14 @@ class BatchResult:
     served_aggregate_tok_s: float | None = None
     served_bytes_per_step: int | None = None  # W + 3·B·max(L)·k: gather read + copy write + attention read
     served_gap: float | None = None           # served step time / ideal engine step time
+    path: str = ""                            # "plain" | "packed" | "compiled" (bench/sweep.resolve_path)
+    compile_s: float | None = None            # the compiled path's first step (compile + run), never timed
+    alternatives: dict = field(default_factory=dict)   # path "fastest": each path's timings at this batch
+
+    def timings(self) -> dict:
+        """This row's medians, as ``alternatives`` keeps them for each path tried."""
+        return {"forward_ms_median": self.forward_ms_median, "engine_ms_median": self.engine_ms_median,
+                "served_ms_median": self.served_ms_median, "compile_s": self.compile_s}
 
 
 @dataclass
@@ -143,7 +151,9 @@ class SweepResult(RunProvenance):
     matmul: dict = field(default_factory=dict)  # the path that ran: mode, each shape's candidate, choice time
 
     def path_line(self) -> str:
-        return rf.path_line(self.matmul, self.cuda_graphs)
+        return rf.path_line(self.matmul, self.cuda_graphs,
+                            [{"batch": b.batch, "status": b.status, "path": b.path, "compile_s": b.compile_s}
+                             for b in self.batches])
 
     def write(self, out_dir: str | Path, stem: str | None = None) -> tuple[Path, Path]:
         out = Path(out_dir)
@@ -175,6 +185,8 @@ class SweepResult(RunProvenance):
     def table(self) -> str:
         hdr = (f"{'batch':>5} {'step ms':>9} {'engine ms':>10} {'served ms':>10} {'tok/s/req':>10} "
                f"{'tok/s agg':>10} {'% bound':>8} {'MBU':>6} {'MFU':>6}")
+        by_path = self.matmul.get("path") == "fastest"       # the path each row ran, when they differ
+        hdr += "  path" if by_path else ""
         rows, noisy = [self.ceilings_line(), self.path_line(), hdr], []
         for b in self.batches:
             if b.status != "ok":
@@ -187,7 +199,8 @@ class SweepResult(RunProvenance):
             served = f"{b.served_ms_median:>10.2f}" if b.served_ms_median else f"{'-':>10}"
             rows.append(f"{b.batch:>5} {b.forward_ms_median:>9.2f} {b.engine_ms_median:>10.2f} {served} "
                         f"{b.per_request_tok_s:>10.1f} {b.aggregate_tok_s:>10.1f} "
-                        f"{100 * b.pct_of_bound:>7.0f}% {100 * b.mbu:>5.0f}% {100 * b.mfu:>5.1f}%{flag}")
+                        f"{100 * b.pct_of_bound:>7.0f}% {100 * b.mbu:>5.0f}% {100 * b.mfu:>5.1f}%"
+                        + (f"  {b.path}" if by_path else "") + flag)
         if noisy:
             rows.append(f"* noisy: p90/p10 of the step time > {NOISY_SPREAD} at batch "
                         f"{', '.join(map(str, noisy))}; something else was using the machine, rerun before "

@@ -68,7 +68,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
         from minillm.bench.peers_batch import run_batch_peers
         rep = run_batch_peers(model=a.model, device=a.device, dtype=a.dtype, batches=a.batches,
                               prompt_tokens=a.prompt_tokens, new_tokens=a.new_tokens, rounds=a.rounds,
-                              engines=engines, llama_batched_bench=a.llama_batched_bench, progress=True)
+                              engines=engines[:1] + (("minillm compiled",) if a.compile else ())
+                              + engines[1:],
+                              llama_batched_bench=a.llama_batched_bench, progress=True)
     elif a.peers:
         from minillm.bench.peers import run_peers
         rep = run_peers(model=a.model, device=a.device, dtype=a.dtype, prompt_tokens=a.prompt_tokens,
@@ -128,7 +130,7 @@ def cmd_roofline(a: argparse.Namespace) -> int:
                     warmup=a.warmup, steps=a.steps, cuda_graphs=not a.no_cuda_graphs,
                     command="python -m minillm " + " ".join(shlex.quote(x) for x in sys.argv[1:]),
                     partial_path=Path(a.out) / "roofline-partial.jsonl", out_dir=a.out, figures_dir=figs,
-                    enforce_eager=a.enforce_eager)
+                    enforce_eager=a.enforce_eager, path=a.path)
     print(res.table())
     jp, cp = res.write(a.out)
     refs = [load_result(p) for p in (a.reference or [])]

@@ -140,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="no CUDA graphs for minillm's decode (vLLM's name)")
     b.add_argument("--compile", action="store_true",
                    help="minillm decodes through torch.compile (its compile time is reported; eager is the "
-                        "default)")
+                        "default); with --peers --batches, minillm compiled runs beside eager minillm")
     b.add_argument("--peers", action="store_true",
                    help="minillm, transformers and llama.cpp (llama-cpp-python + gguf, where installed) on "
                         "the same weights, interleaved round by round: tok/s with its spread, GB/s, %% of "
@@ -169,9 +169,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--warmup", type=int, default=3)
     r.add_argument("--steps", type=int, default=10, help="timed decode steps per batch")
     r.add_argument("--no-cuda-graphs", action="store_true")
+    r.add_argument("--path", choices=("fastest", "packed", "compiled"), default="fastest",
+                   help="the decode that runs: the matmuls chosen on this machine (packed, "
+                        "engine/matmul.py), "
+                        "the compiled decode (compiled, engine/compiled.py; each batch's first compile is "
+                        "timed apart), or at each batch the faster of the two (fastest, the default; "
+                        "on a GPU: packed, with CUDA graphs)")
     r.add_argument("--enforce-eager", action="store_true",
-                   help="the plain path: torch's own matmuls and no CUDA graphs (default: the decode matmuls "
-                        "chosen on this machine, engine/matmul.py)")
+                   help="the plain path: torch's own matmuls, nothing compiled, no CUDA graphs")
     r.add_argument("--out", default="runs", help="directory for the JSON and CSV")
     r.add_argument("--figures", default=None,
                    help="directory for the figure (default: runs/figures/ under the working directory, or "

@@ -213,7 +213,7 @@ class ModelRunner:
         one and it samples nothing), so every row must be computing its last known token."""
         if any(n != 1 or s.num_to_compute != 1 for s, n in rows):
             return None
-        B = next(b for b in self.row_buckets if b >= len(rows))
+        B = self.static_bucket_rows(len(rows))
         need = max(s.num_computed for s, _ in rows) + 1
         L = 16
         while L < need:
@@ -228,6 +228,10 @@ class ModelRunner:
                 # graph, and with frozen weights (bf16) each held its own packed copy of them.
                 torch._dynamo.mark_dynamic(sd.kv_pos, 0)
         return self._static[key]
+
+    def static_bucket_rows(self, rows: int) -> int:
+        """The row bucket a decode of ``rows`` rows runs in (padded up to it)."""
+        return next(b for b in self.row_buckets if b >= rows)
 
     def _static_step(self, sd: StaticDecode) -> torch.Tensor:
         """One decode step on a bucket's static buffers (what a CUDA graph captures and what

@@ -170,9 +170,11 @@ def knee_fit(batches: list[int], step_times: list[float]) -> KneeFit:
     if fs is not None and fs > KNEE_MAX_FLAT_SLOPE:
         problems.append(f"there is no flat part: below B ≈ {cand:.0f} the step time already grows as "
                         f"B^{fs:.2f}")
-    if rs is None or rs < KNEE_MIN_RISING_SLOPE:
-        problems.append(f"past B ≈ {cand:.0f} it grows as B^{rs if rs is not None else float('nan'):.2f}, "
-                        f"not ∝ B as a compute-bound step would")
+    if rs is None:              # one point past the candidate: no slope to read there
+        problems.append(f"past B ≈ {cand:.0f} one point only ({pts[-1][0]}), too few to tell a "
+                        f"compute-bound rise from noise")
+    elif rs < KNEE_MIN_RISING_SLOPE:
+        problems.append(f"past B ≈ {cand:.0f} it grows as B^{rs:.2f}, not ∝ B as a compute-bound step would")
     if rms > KNEE_MAX_RMS:
         problems.append(f"the shape max(a, b·B) misses the points by {100 * rms:.0f} % (rms)")
     if problems:
@@ -250,15 +252,38 @@ def ceilings_line(c: dict) -> str:
     return "ceilings (measured): " + ", ".join(parts)
 
 
-def path_line(matmul: dict | None, cuda_graphs: bool = False) -> str:
-    """Which decode path a sweep ran, in one line: the plain one (torch's F.linear) or the matmuls
-    chosen on the machine (engine/matmul.py), from a sweep's ``matmul`` record."""
+def path_line(matmul: dict | None, cuda_graphs: bool = False, batches: list[dict] | None = None) -> str:
+    """Which decode path a sweep ran, in one line, from its ``matmul`` record and its rows: the plain
+    one (torch's F.linear), the matmuls chosen on the machine (engine/matmul.py), the compiled decode
+    (engine/compiled.py), or the fastest of the last two at each batch (bench/sweep.resolve_path)."""
     m = matmul or {}
     if not m:
         return "path: not recorded (a run from before the matmul choice)"
+    rows = [b for b in batches or [] if b.get("status") == "ok"]
+    compiled = [b for b in rows if b.get("path") == "compiled"]
+    if m.get("path") == "compiled":
+        return ("path: compiled decode (torch.compile, weights frozen per row bucket"
+                f"{_compile_times(compiled)})")
     if m.get("mode") != "auto" or not m.get("choice"):
         return f"path: plain (torch's F.linear{', CUDA graphs' if cuda_graphs else ''}){m.get('why', '')}"
     picks = [r["chosen"] for r in m["choice"]["rows"]]
     kinds = ", ".join(f"{k} ×{picks.count(k)}" for k in dict.fromkeys(picks))
     how = "cached" if m["choice"].get("cached") else f"chosen in {m.get('choose_s', 0):.1f} s, not timed"
-    return f"path: decode matmuls chosen on this machine ({kinds} weight shapes; {how})"
+    packed = f"decode matmuls chosen on this machine ({kinds} weight shapes; {how})"
+    if m.get("path") != "fastest":
+        return f"path: {packed}{m.get('why', '')}"
+    if not compiled:
+        return (f"path: fastest per batch: {packed} at every batch (the compiled decode was slower)"
+                f"{m.get('why', '')}")
+    at = ", ".join(str(b["batch"]) for b in compiled)
+    rest = ", ".join(str(b["batch"]) for b in rows if b.get("path") != "compiled") or "none"
+    return (f"path: fastest per batch: compiled decode at B = {at} (torch.compile, weights frozen per row "
+            f"bucket{_compile_times(compiled)}); {packed} at B = {rest}")
+
+
+def _compile_times(rows: list[dict]) -> str:
+    s = [b["compile_s"] for b in rows if b.get("compile_s")]
+    if not s:
+        return ""
+    span = f"{min(s):.0f}–{max(s):.0f} s" if round(min(s)) != round(max(s)) else f"{s[0]:.0f} s"
+    return f"; first compiles {span} per batch, not timed"

@@ -135,7 +135,8 @@ def stamp_of(result: dict) -> str:
     hw = result.get("hardware", {})
     return (f"measured {result.get('started', '')} on "
             f"{hw.get('summary') or hw.get('name') or result['device']}; model {result['model']} "
-            f"{result['dtype']}; {rf.path_line(result.get('matmul'), result.get('cuda_graphs'))}; "
+            f"{result['dtype']}; "
+            f"{rf.path_line(result.get('matmul'), result.get('cuda_graphs'), result.get('batches'))}; "
             f"{rf.ceilings_line(result['ceilings'])}; torch {result['torch_version']}; "
             f"{result.get('command', '')}")
 
