@@ -232,8 +232,12 @@ def resolve_path(path: str, enforce_eager: bool, dev: torch.device) -> tuple[str
     Why both on a CPU: measured on the 2-core Xeon VM (``cpu-small`` fp32, 2 threads, engine step
     at 128 cached tokens), the compiled step took 13.5, 16.0, 19.4, 24.3 ms at B = 1, 2, 4, 8
     against 18.8, 21.0, 22.3, 27.9 ms packed (the time outside the matmuls shrinks), but 39.8,
-    68.7, 113.4 ms at 16, 32, 64 against 35.5, 52.5, 81.1. A server does the same thing: vLLM
-    captures CUDA graphs up to a batch size and runs eager above it."""
+    68.7, 113.4 ms at 16, 32, 64 against 35.5, 52.5, 81.1. Why it loses there: a compiled (or
+    graphed) step has static shapes, so its K/V is read through the length bucket, the power of two
+    at or above the context: 256 positions for 128 cached tokens. By the formula, at B = 64 that is
+    403 MB of K/V a step against the 201 MB the eager step reads through a view of exactly 128, on
+    top of 329 MB of weights. A server does the same thing: vLLM captures CUDA graphs up to a batch
+    size and runs eager above it."""
     if enforce_eager:
         return "plain", " (--enforce-eager)"
     if path not in PATHS:
