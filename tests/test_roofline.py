@@ -316,7 +316,7 @@ def test_roofline_cli_with_a_checkpoint_directory_writes_json_csv_and_figure(tmp
     assert jp.exists() and cp.exists()
     data = json.loads(jp.read_text())
     assert data["model"] == str(ckpt) and [b["status"] for b in data["batches"]] == ["ok", "ok"]
-    assert data["matmul"]["path"] == "fastest"                # the command's default: packed or compiled per batch
+    assert data["matmul"]["path"] == "fastest"      # the default: packed or compiled, batch by batch
     assert {b["path"] for b in data["batches"]} <= {"packed", "compiled"}
     assert len(cp.read_text().strip().splitlines()) == 3
     assert ((figs / "10-3-decode-roofline.png").stat().st_size > 1000
