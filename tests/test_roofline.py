@@ -476,3 +476,15 @@ def test_a_path_that_cannot_run_here_is_refused_or_replaced_with_the_reason(monk
     assert path == "packed" and "no C++ compiler here" in why
     with pytest.raises(ValueError, match=r"cannot run here: no C\+\+ compiler here"):
         sweep.resolve_path("compiled", False, cpu)
+
+
+def test_the_path_line_names_the_compiled_batches_and_the_rest():
+    matmul = {"mode": "auto", "path": "fastest", "choose_s": 0.0,
+              "choice": {"rows": [{"chosen": "onednn-packed"}], "cached": True}}
+    rows = [{"batch": 1, "status": "ok", "path": "compiled", "compile_s": 14.2},
+            {"batch": 2, "status": "ok", "path": "compiled", "compile_s": 15.9}]
+    line = rf.path_line(matmul, False, rows)
+    assert "compiled decode at B = 1, 2" in line and "first compiles 14–16 s per batch" in line
+    assert "at B = none" not in line and "faster there than the decode matmuls chosen" in line
+    rows.append({"batch": 4, "status": "ok", "path": "packed", "compile_s": None})
+    assert rf.path_line(matmul, False, rows).endswith("cached) at B = 4")

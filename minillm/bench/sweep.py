@@ -229,15 +229,13 @@ def resolve_path(path: str, enforce_eager: bool, dev: torch.device) -> tuple[str
     - ``fastest``: ``packed`` at every batch, then ``compiled`` from the smallest batch up while it is
       faster; each row keeps the faster and both timings (``BatchResult.alternatives``).
 
-    Why both on a CPU: measured on the 2-core Xeon VM (``cpu-small`` fp32, 2 threads, engine step
-    at 128 cached tokens), the compiled step took 13.5, 16.0, 19.4, 24.3 ms at B = 1, 2, 4, 8
-    against 18.8, 21.0, 22.3, 27.9 ms packed (the time outside the matmuls shrinks), but 39.8,
-    68.7, 113.4 ms at 16, 32, 64 against 35.5, 52.5, 81.1. Why it loses there: a compiled (or
-    graphed) step has static shapes, so its K/V is read through the length bucket, the power of two
-    at or above the context: 256 positions for 128 cached tokens. By the formula, at B = 64 that is
-    403 MB of K/V a step against the 201 MB the eager step reads through a view of exactly 128, on
-    top of 329 MB of weights. A server does the same thing: vLLM captures CUDA graphs up to a batch
-    size and runs eager above it."""
+    Why both on a CPU: measured on the 2-core Xeon VM (``cpu-small`` fp32, 2 threads, forward at
+    128 cached tokens, one run), compiled against packed: 13.3/18.2, 15.2/20.1, 17.5/21.0,
+    22.3/25.4, 29.8/32.3, 41.6/46.1, 63.8/58.2, 70.1/72.2 ms at B = 1, 2, 4, 8, 16, 32, 48, 64.
+    Compiled wins where the time outside the matmuls weighs most; at 48 its rows are padded to the
+    64-row bucket. Before the compiled K/V length went in steps of 16 (``ModelRunner.static_kv_len``),
+    it lost from 16 on (113 ms against 81 at 64). A server does the same thing: vLLM captures CUDA
+    graphs up to a batch size and runs eager above it."""
     if enforce_eager:
         return "plain", " (--enforce-eager)"
     if path not in PATHS:

@@ -276,9 +276,10 @@ def path_line(matmul: dict | None, cuda_graphs: bool = False, batches: list[dict
         return (f"path: fastest per batch: {packed} at every batch (the compiled decode was slower)"
                 f"{m.get('why', '')}")
     at = ", ".join(str(b["batch"]) for b in compiled)
-    rest = ", ".join(str(b["batch"]) for b in rows if b.get("path") != "compiled") or "none"
+    rest = ", ".join(str(b["batch"]) for b in rows if b.get("path") != "compiled")
     return (f"path: fastest per batch: compiled decode at B = {at} (torch.compile, weights frozen per row "
-            f"bucket{_compile_times(compiled)}); {packed} at B = {rest}")
+            f"bucket{_compile_times(compiled)}); "
+            + (f"{packed} at B = {rest}" if rest else f"faster there than the {packed}"))
 
 
 def _compile_times(rows: list[dict]) -> str:
