@@ -96,3 +96,13 @@ def test_redraw_from_the_data_file_measures_nothing_and_keeps_the_measurement(tm
     assert all(after[k] == before[k] for k in measurement)
     assert len(after["references_drawn"]) == len(before["references_drawn"])
     assert main(["roofline", "--redraw", str(tmp_path / "missing.json"), "--figures", str(tmp_path)]) == 2
+
+
+def test_a_reference_loaded_without_its_path_records_no_folder_in_its_place(tmp_path, monkeypatch):
+    from minillm.plots.roofline import references_drawn
+    monkeypatch.chdir(tmp_path)                   # a notebook runs from notebooks/: its cwd is not the file
+    ref = {"batches": [], "hardware": {"summary": "a GPU"}, "device": "cuda", "model": "llama-3.1-8b",
+           "dtype": "bf16"}
+    assert references_drawn([ref], None)[0]["path"] == ""
+    ref["_path"] = str(FIGURE_DATA)
+    assert references_drawn([ref], None)[0]["path"] == "figures/data/10-3-decode-roofline.json"

@@ -284,6 +284,10 @@ def plot_formula_panel(ax, published: list[dict] | None = None, measured: list[d
 
 
 def _relative(path: str) -> str:
+    """``path`` from the repository's root where it lies inside it; "" stays "" (a reference loaded
+    without ``_path``: recording the working directory instead would name a folder, not the file)."""
+    if not path:
+        return ""
     root = Path(__file__).resolve().parents[2]
     try:
         return str(Path(path).resolve().relative_to(root))
