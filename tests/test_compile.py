@@ -128,3 +128,46 @@ def test_the_compile_step_collects_the_compilers_garbage():
     recs = [r for r in llm.engine.step_history if r.bucket]          # the static decode steps
     assert recs and recs[0].compile_ms is not None and recs[0].gc_ms > 0
     assert left < 100, left
+
+
+def test_fp32_builds_the_cpp_wrapper_only_for_small_buckets():
+    """The C++ wrapper costs a build at every compile and gains only where the host's share of an
+    fp32 step is large (the module docstring's measurements); bf16 gains at every bucket."""
+    from minillm.engine.compiled import FP32_WRAPPER_ROWS, inductor_options
+    fp32 = {rows: inductor_options("cpu", torch.float32, rows)["cpp_wrapper"] for rows in (1, 4, 8, 64)}
+    assert fp32 == {1: True, 4: True, 8: False, 64: False} and FP32_WRAPPER_ROWS == 4
+    assert all(inductor_options("cpu", torch.bfloat16, rows)["cpp_wrapper"] for rows in (1, 8, 64))
+    assert inductor_options("cuda", torch.float32, 1) == {}
+
+
+def test_a_bucket_past_the_wrapper_rows_compiles_without_it_and_keeps_eagers_tokens(monkeypatch):
+    """Five rows run in the 8-row bucket: compiled with the settings for 8 rows (no C++ wrapper in
+    fp32), and the tokens stay eager's."""
+    import minillm.engine.compiled as compiled_mod
+    from minillm.engine.engine import LLMEngine
+    from minillm.engine.sampling import SamplingParams
+    from minillm.engine.tokenizer import load_tokenizer
+    from minillm.model.config import ModelConfig
+    from minillm.model.loader import load_model
+    seen = []
+    real = compiled_mod.inductor_options
+    monkeypatch.setattr(compiled_mod, "inductor_options",
+                        lambda device, dtype, rows=1: seen.append(rows) or real(device, dtype, rows))
+    cfg = ModelConfig(name="tiny-2l", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+                      num_heads=4, num_kv_heads=2, max_position_embeddings=64)
+    model = load_model(cfg, device="cpu", dtype="fp32", seed=3)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40)
+    tok = load_tokenizer(None)
+    prompts = [[5 + i, 17, 300 - i, 42] for i in range(5)]
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    outs = []
+    for compile in (False, True):
+        eng = LLMEngine(model, tok, max_batch_size=8, max_model_len=32, compile=compile)
+        rids = [eng.add_request(p, params) for p in prompts]
+        while not all(eng.get(r).finished for r in rids):
+            eng.step()
+        outs.append([eng.output_of(eng.pop_finished(r)).token_ids for r in rids])
+    assert outs[1] == outs[0]
+    assert list(eng.runner.compile_s) == [(8, 16)] and seen == [8]
+    assert real("cpu", torch.float32, seen[0])["cpp_wrapper"] is False

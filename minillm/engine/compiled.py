@@ -17,8 +17,16 @@ reference: the tests pin compiled tokens against eager ones.
 Inductor's settings on a CPU (``inductor_options``) were chosen by measurement: batch-1 decode of
 ``cpu-small`` on the project's 2-core Xeon (AVX512-BF16 and AMX), one setting at a time:
 
-- ``cpp_wrapper`` (every dtype): the generated code calls its kernels from C++ instead of a
-  Python wrapper, so the host work between two matmuls shrinks again (fp32: 66.8 → 68.9 tok/s).
+- ``cpp_wrapper``: the generated code calls its kernels from C++ instead of a Python wrapper, so
+  the host work between two matmuls shrinks again (fp32: 66.8 → 68.9 tok/s). Its price is a C++
+  build of the wrapper at every compile, about 4 s, which no cache saves (frozen weights make each
+  graph's wrapper new). Measured per row bucket, three rounds alternating with and without it
+  (fresh processes, engine step of ``cpu-small`` at 128 cached tokens, median of 60, 2 threads):
+  fp32 at 1 row 12.33–12.52 ms with it against 12.93–13.46 without, compile 15.5–16.0 s against
+  11.4–11.8; at 8 rows 22.85–23.40 ms against 22.18–23.96 (no gain), compile 14.4–14.7 s against
+  9.3–10.5. bf16 at 8 rows 7.54–7.90 ms against 8.04–9.02: a gain. So fp32 builds the wrapper
+  only up to ``FP32_WRAPPER_ROWS`` rows, where the host's share of the step is largest, and bf16
+  at every bucket.
 - bf16: ``freezing`` plus ``max_autotune`` with Inductor's C++ GEMM template. Freezing turns the
   weights into constants, which lets Inductor lay them out ahead of time for the CPU's bf16
   matrix units (AMX); max-autotune times that generated GEMM against ATen's for each matmul
@@ -85,24 +93,28 @@ def compile_unavailable(device: torch.device | str) -> str | None:
     return None
 
 
-def inductor_options(device: torch.device | str, dtype: torch.dtype) -> dict:
-    """Inductor settings for the decode step (why each, with the measurements: the module docstring)."""
+FP32_WRAPPER_ROWS = 4      # fp32 decode buckets up to this many rows build the C++ wrapper
+
+
+def inductor_options(device: torch.device | str, dtype: torch.dtype, rows: int = 1) -> dict:
+    """Inductor settings for a decode bucket of ``rows`` rows (why each, with the measurements:
+    the module docstring)."""
     if torch.device(device).type != "cpu":
         return {}                                 # on CUDA the step is captured as a CUDA graph anyway
-    options = {"cpp_wrapper": True, "freezing": True}
+    options = {"cpp_wrapper": dtype != torch.float32 or rows <= FP32_WRAPPER_ROWS, "freezing": True}
     if dtype == torch.bfloat16:
         options.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN")
     return options
 
 
-def compiling(device: torch.device | str, dtype: torch.dtype):
+def compiling(device: torch.device | str, dtype: torch.dtype, rows: int = 1):
     """A context in which a bucket's first step compiles with ``inductor_options``. They are set
     for the whole call, not passed as ``torch.compile(options=...)``: freezing must already be on
     while TorchDynamo traces (it then keeps the weights as constants instead of graph inputs),
     and ``options`` reach Inductor only after tracing. Later steps replay the compiled code and
     need no setting (a patch costs about 20 µs, so it is not paid every step)."""
     import torch._inductor.config
-    return torch._inductor.config.patch(inductor_options(device, dtype))
+    return torch._inductor.config.patch(inductor_options(device, dtype, rows))
 
 
 def compile_step(fn: Callable, max_buckets: int) -> Callable:

@@ -254,9 +254,9 @@ class ModelRunner:
         self.backend.begin(sd.meta)
         return self.model.forward_packed(sd.tokens, sd.positions, self.backend, sd.logits_index)  # [rows, V]
 
-    def _compiling(self):
+    def _compiling(self, rows: int):
         from minillm.engine.compiled import compiling
-        return compiling(self.device, self.model.dtype)
+        return compiling(self.device, self.model.dtype, rows)
 
     def _run_static(self, sd: StaticDecode, rec: StepRecord | None = None) -> torch.Tensor:
         step = self._compiled or self._static_step
@@ -267,7 +267,7 @@ class ModelRunner:
         if first:
             self._graphs_built.add(graph)
         t0 = time.perf_counter()
-        with self._compiling() if first else contextlib.nullcontext():
+        with self._compiling(sd.rows) if first else contextlib.nullcontext():
             if not self.use_cuda_graphs:
                 out = step(sd)
             else:
