@@ -21,6 +21,18 @@ def _generate(model, tok, prompts, compile):
     return outs, eng
 
 
+def _tiny_model(dtype: str, seed: int, max_positions: int = 64):
+    """Two layers, peaked logits (the LM head scaled up), so greedy never hinges on a last-bit tie."""
+    from minillm.model.config import ModelConfig
+    from minillm.model.loader import load_model
+    cfg = ModelConfig(name="tiny-2l", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+                      num_heads=4, num_kv_heads=2, max_position_embeddings=max_positions)
+    model = load_model(cfg, device="cpu", dtype=dtype, seed=seed)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40)
+    return model
+
+
 # bf16: the logits here reach about 25, where bf16's spacing is 0.125; a logprob (a logit minus
 # a log-sum-exp, each rounded) may move by that much when other kernels sum in another order.
 @pytest.mark.parametrize("dtype,logprob_tol", [("fp32", 1e-4), ("bf16", 0.125)])
@@ -30,13 +42,7 @@ def test_compiled_decode_gives_the_same_tokens_as_eager(dtype, logprob_tol):
     autotuned GEMMs (``inductor_options``): other kernels, so its logprobs agree to bf16's
     precision, not fp32's; its tokens must still be the same."""
     from minillm.engine.tokenizer import load_tokenizer
-    from minillm.model.config import ModelConfig
-    from minillm.model.loader import load_model
-    cfg = ModelConfig(name="tiny-2l", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
-                      num_heads=4, num_kv_heads=2, max_position_embeddings=64)
-    model = load_model(cfg, device="cpu", dtype=dtype, seed=2)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(40)          # peaked logits: greedy never hinges on a last-bit tie
+    model = _tiny_model(dtype, seed=2)
     tok = load_tokenizer(None)
     prompts = [[5, 17, 300, 42, 9], [7, 8, 9, 10, 11, 12, 13, 14]]
     eager, eng_e = _generate(model, tok, prompts, compile=False)
@@ -86,13 +92,7 @@ def test_one_compiled_graph_per_row_bucket_whatever_the_kv_length():
     from minillm.engine.engine import LLMEngine
     from minillm.engine.sampling import SamplingParams
     from minillm.engine.tokenizer import load_tokenizer
-    from minillm.model.config import ModelConfig
-    from minillm.model.loader import load_model
-    cfg = ModelConfig(name="tiny-2l", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
-                      num_heads=4, num_kv_heads=2, max_position_embeddings=128)
-    model = load_model(cfg, device="cpu", dtype="fp32", seed=5)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(40)
+    model = _tiny_model("fp32", seed=5, max_positions=128)
     tok = load_tokenizer(None)
     prompt, params = list(range(3, 15)), SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     outs, kv_lens = [], []
@@ -147,17 +147,11 @@ def test_a_bucket_past_the_wrapper_rows_compiles_without_it_and_keeps_eagers_tok
     from minillm.engine.engine import LLMEngine
     from minillm.engine.sampling import SamplingParams
     from minillm.engine.tokenizer import load_tokenizer
-    from minillm.model.config import ModelConfig
-    from minillm.model.loader import load_model
     seen = []
     real = compiled_mod.inductor_options
     monkeypatch.setattr(compiled_mod, "inductor_options",
                         lambda device, dtype, rows=1: seen.append(rows) or real(device, dtype, rows))
-    cfg = ModelConfig(name="tiny-2l", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
-                      num_heads=4, num_kv_heads=2, max_position_embeddings=64)
-    model = load_model(cfg, device="cpu", dtype="fp32", seed=3)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(40)
+    model = _tiny_model("fp32", seed=3)
     tok = load_tokenizer(None)
     prompts = [[5 + i, 17, 300 - i, 42] for i in range(5)]
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
