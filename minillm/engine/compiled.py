@@ -96,7 +96,7 @@ def compile_unavailable(device: torch.device | str) -> str | None:
 FP32_WRAPPER_ROWS = 4      # fp32 decode buckets up to this many rows build the C++ wrapper
 
 
-def inductor_options(device: torch.device | str, dtype: torch.dtype, rows: int = 1) -> dict:
+def inductor_options(device: torch.device | str, dtype: torch.dtype, rows: int) -> dict:
     """Inductor settings for a decode bucket of ``rows`` rows (why each, with the measurements:
     the module docstring)."""
     if torch.device(device).type != "cpu":
@@ -107,7 +107,7 @@ def inductor_options(device: torch.device | str, dtype: torch.dtype, rows: int =
     return options
 
 
-def compiling(device: torch.device | str, dtype: torch.dtype, rows: int = 1):
+def compiling(device: torch.device | str, dtype: torch.dtype, rows: int):
     """A context in which a bucket's first step compiles with ``inductor_options``. They are set
     for the whole call, not passed as ``torch.compile(options=...)``: freezing must already be on
     while TorchDynamo traces (it then keeps the weights as constants instead of graph inputs),
