@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import stat
 import sys
+import textwrap
 import types
 
 import pytest
@@ -81,7 +82,7 @@ def test_minillm_compiled_is_unavailable_with_the_reason_where_nothing_compiles(
     assert rep.get("minillm", 1).status == "ok"
     assert rep.get("minillm compiled", 1).status == "unavailable: no C++ compiler here"
     with pytest.raises(ValueError, match="minillm compiled"):
-        pb.run_batch_peers(model="tiny", batches=(1,), engines=("vllm",))
+        pb.run_batch_peers(model="tiny", batches=(1,), engines=("sglang",))
 
 
 def test_the_faster_minillm_path_is_compared_batch_by_batch():
@@ -99,3 +100,95 @@ def test_the_faster_minillm_path_is_compared_batch_by_batch():
     assert "minillm ÷ llama.cpp at B = 1, 2: 1.25×, 1.20×" in text
     assert "minillm compiled ÷ llama.cpp at B = 1, 2: 2.00×, 0.90×" in text
     assert "minillm, faster path ÷ llama.cpp at B = 1, 2: 2.00×, 1.20×" in text
+
+
+# ------------------------------------------------------------------------------ vLLM, in its own Python
+def test_vllms_aggregate_is_the_sum_of_each_requests_decode_rate():
+    from minillm.bench.vllm_worker import aggregate_tok_s
+    # 4 gaps in 0.4 s and 4 in 0.5 s: 10 + 8 tok/s
+    assert aggregate_tok_s([(5, 10.0, 10.4), (5, 10.0, 10.5)]) == pytest.approx(18.0)
+    with pytest.raises(ValueError, match="no decode to time"):
+        aggregate_tok_s([(1, 10.0, 10.0)])
+
+
+def test_vllm_is_unavailable_with_the_reason_where_no_python_has_it(monkeypatch):
+    monkeypatch.delenv("MINILLM_VLLM_PYTHON", raising=False)
+    rep = pb.run_batch_peers(model="tiny", dtype="fp32", batches=(1,), prompt_tokens=8, new_tokens=4,
+                             rounds=1, engines=("minillm", "vLLM"), vllm_python="/nonexistent/python")
+    assert rep.get("minillm", 1).status == "ok"
+    assert rep.get("vLLM", 1).status.startswith("unavailable: no Python with vLLM given")
+    assert "vLLM: unavailable" in rep.table()
+
+
+FAKE_VLLM = """\
+import os
+import types
+__version__ = "0.0-fake"
+print("a banner vLLM prints on stdout")
+os.write(1, b"and a log line its C++ libraries write to descriptor 1\\n")
+
+
+class SamplingParams:
+    def __init__(self, max_tokens, **kw):
+        self.max_tokens = max_tokens
+
+
+class LLM:
+    def __init__(self, model, **kw):
+        import os
+        if os.environ.get("FAKE_VLLM_FAILS"):
+            raise RuntimeError("this model is not supported")
+        assert os.path.isfile(os.path.join(model, "config.json"))
+
+    def generate(self, prompts, params, use_tqdm=False):
+        n = params.max_tokens   # each request: n tokens 10 ms apart, so 100 tok/s per request
+        return [types.SimpleNamespace(
+            outputs=[types.SimpleNamespace(token_ids=[p["prompt_token_ids"][-1]] * n)],
+            metrics=types.SimpleNamespace(first_token_ts=5.0, last_token_ts=5.0 + (n - 1) / 100))
+            for p in prompts]
+"""
+
+
+@pytest.fixture
+def fake_vllm(tmp_path, monkeypatch):
+    """A stand-in ``vllm`` package on the worker's path: the worker's protocol, not vLLM's speed."""
+    pkg = tmp_path / "vllm"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(FAKE_VLLM)
+    (pkg / "inputs.py").write_text("def TokensPrompt(prompt_token_ids):\n"
+                                   "    return {'prompt_token_ids': prompt_token_ids}\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    return sys.executable
+
+
+def test_vllm_runs_in_its_own_process_and_reports_its_own_stamps(fake_vllm):
+    rep = pb.run_batch_peers(model="tiny", dtype="fp32", batches=(1, 2), prompt_tokens=8, new_tokens=5,
+                             rounds=2, engines=("vLLM",), vllm_python=fake_vllm)
+    assert [rep.get("vLLM", b).samples_tok_s for b in (1, 2)] == [[pytest.approx(100.0)] * 2,
+                                                                   [pytest.approx(200.0)] * 2]
+    note = rep.notes["vLLM"]
+    assert "vLLM 0.0-fake" in note and "offline LLM.generate in its own Python" in note
+    assert "greedy tokens in the warm-up:" in note and "of 5 as minillm's" in note
+
+
+def test_a_vllm_that_fails_to_start_is_unavailable_with_its_error(fake_vllm, monkeypatch):
+    monkeypatch.setenv("FAKE_VLLM_FAILS", "1")
+    rep = pb.run_batch_peers(model="tiny", dtype="fp32", batches=(1,), prompt_tokens=8, new_tokens=4,
+                             rounds=1, engines=("vLLM",), vllm_python=fake_vllm)
+    assert rep.get("vLLM", 1).status == ("unavailable: vLLM did not start: "
+                                         "RuntimeError: this model is not supported")
+
+
+def test_a_vllm_worker_that_dies_mid_run_fails_that_engine_only(tmp_path):
+    dead = tmp_path / "python"
+    dead.write_text(textwrap.dedent("""\
+        #!/bin/sh
+        echo '{"ready": true, "vllm": "0.0-dies"}'
+        echo "killed by the kernel" >&2
+        """))
+    dead.chmod(dead.stat().st_mode | stat.S_IEXEC)
+    rep = pb.run_batch_peers(model="tiny", dtype="fp32", batches=(1,), prompt_tokens=8, new_tokens=4,
+                             rounds=1, engines=("minillm", "vLLM"), vllm_python=str(dead))
+    assert rep.get("minillm", 1).status == "ok"
+    status = rep.get("vLLM", 1).status
+    assert status.startswith("failed: RuntimeError: vLLM's worker exited (0)") and "killed by" in status

