@@ -192,3 +192,20 @@ def test_a_vllm_worker_that_dies_mid_run_fails_that_engine_only(tmp_path):
     assert rep.get("minillm", 1).status == "ok"
     status = rep.get("vLLM", 1).status
     assert status.startswith("failed: RuntimeError: vLLM's worker exited (0)") and "killed by" in status
+
+
+def test_the_cli_adds_vllm_at_every_batch_and_lists_it_unavailable_without_its_python(tmp_path, monkeypatch):
+    import json
+
+    from minillm.cli import main
+    monkeypatch.delenv("MINILLM_VLLM_PYTHON", raising=False)
+    monkeypatch.delenv("MINILLM_LLAMA_BATCHED_BENCH", raising=False)
+    out = tmp_path / "peers.json"
+    assert main(["bench", "--model", "tiny", "--dtype", "fp32", "--peers", "--batches", "1,2",
+                 "--rounds", "1", "--prompt-tokens", "8", "--new-tokens", "4", "--no-transformers",
+                 "--llama-batched-bench", "/nonexistent/llama-batched-bench",
+                 "--vllm-python", "/nonexistent/python", "--json", str(out)]) == 0
+    rows = {(r["engine"], r["batch"]): r["status"] for r in json.loads(out.read_text())["rows"]}
+    assert rows[("minillm", 1)] == rows[("minillm", 2)] == "ok"
+    assert all(rows[("vLLM", b)].startswith("unavailable: no Python with vLLM given") for b in (1, 2))
+    assert rows[("llama.cpp", 1)].startswith("unavailable")
