@@ -49,6 +49,20 @@ Inductor's settings on a CPU (``inductor_options``) were chosen by measurement: 
   weight read across rows), frozen 12.9–13.5 ms and 24.3–25.6 ms. Autotuning Inductor's C++
   template against it chose MKL's packed kernel for every shape and only added compile time.
   The price is memory: each compiled row bucket holds its own packed copy of the weights.
+
+What a compile costs, and what did not cut it (fp32, the same VM on a slower day, 2 threads): the
+whole step is one graph, so the compile grows with the layers, 17.3 s for ``cpu-small``'s 12 layers
+at 8 rows against 6.8 s for the same model cut to 2 (about 1 s per layer; Inductor's scheduling and
+code generation take most of it). Inductor settings that shorten scheduling or fusion
+(``loop_ordering_after_fusion`` off, ``max_fusion_size`` 8, no horizontal fusion, no size asserts)
+each compiled as slowly as the default, from an empty cache, and ran no faster. A kernel cache
+left by an earlier run cuts a compile by about a third (35.1 → 23.1 s at 1 row, 22.0 → 15.5 s at
+8); a graph with frozen weights is new every time, so nothing caches the rest. Compiling one
+decoder layer and reusing it for all twelve (the weights as graph inputs) cannot keep the packed
+weights frozen: Inductor lowers oneDNN's packed linear only for a constant weight. Called through
+an opaque operator instead, the layers still compiled as 12 graphs (the layer index the K/V cache
+is read by specialises each), in 11.0 s, and the step ran slower than eager with the same matmuls
+(28.7 against 26.1 ms at 1 row).
 """
 from __future__ import annotations
 
