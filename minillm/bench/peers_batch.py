@@ -217,13 +217,14 @@ class TransformersBatch(TransformersEngine):
         return len(prompts) * (len(ts) - 1) / max(ts[-1] - ts[0], 1e-9)
 
 
+def _first_executable(*candidates: str | None) -> str | None:
+    return next((str(c) for c in candidates if c and Path(c).is_file() and os.access(c, os.X_OK)), None)
+
+
 def find_llama_batched_bench(path: str | None = None) -> str | None:
     """The ``llama-batched-bench`` binary: the given path, ``$MINILLM_LLAMA_BATCHED_BENCH``, or the PATH."""
-    for candidate in (path, os.environ.get("MINILLM_LLAMA_BATCHED_BENCH"),
-                      shutil.which("llama-batched-bench")):
-        if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
-            return str(candidate)
-    return None
+    return _first_executable(path, os.environ.get("MINILLM_LLAMA_BATCHED_BENCH"),
+                             shutil.which("llama-batched-bench"))
 
 
 _ROW = re.compile(r"^\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|" + r"\s*([\d.]+)\s*\|" * 7)
@@ -286,10 +287,7 @@ class LlamaCppBatch(_BatchEngine):
 def find_vllm_python(path: str | None = None) -> str | None:
     """The Python of vLLM's own virtual environment: the given path, then ``$MINILLM_VLLM_PYTHON``. vLLM pins
     its own torch, so it never shares minillm's environment."""
-    for candidate in (path, os.environ.get("MINILLM_VLLM_PYTHON")):
-        if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
-            return str(candidate)
-    return None
+    return _first_executable(path, os.environ.get("MINILLM_VLLM_PYTHON"))
 
 
 VLLM_WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -323,9 +321,8 @@ class VllmBatch(_BatchEngine):
         # safetensors cannot write in place (a model with few heads gives non-contiguous ones)
         hf.save_pretrained(ckpt, state_dict={k: v.contiguous() for k, v in hf.state_dict().items()})
         cfg = self.llm.config
-        setup = {"model": str(ckpt), "dtype": {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-                 [dtype_name(self.llm.dtype)], "max_batch": cfg.max_batch_size,
-                 "max_len": cfg.max_model_len, "threads": self.threads}
+        setup = {"model": str(ckpt), "dtype": str(self.llm.dtype).removeprefix("torch."),   # "bfloat16"
+                 "max_batch": cfg.max_batch_size, "max_len": cfg.max_model_len, "threads": self.threads}
         self._log = open(Path(self._tmp.name) / "vllm.log", "w+")
         self._proc = subprocess.Popen([self.python, str(VLLM_WORKER), json.dumps(setup)], text=True,
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log)
