@@ -24,9 +24,13 @@ Inductor's settings on a CPU (``inductor_options``) were chosen by measurement: 
   (fresh processes, engine step of ``cpu-small`` at 128 cached tokens, median of 60, 2 threads):
   fp32 at 1 row 12.33–12.52 ms with it against 12.93–13.46 without, compile 15.5–16.0 s against
   11.4–11.8; at 8 rows 22.85–23.40 ms against 22.18–23.96 (no gain), compile 14.4–14.7 s against
-  9.3–10.5. bf16 at 8 rows 7.54–7.90 ms against 8.04–9.02: a gain. So fp32 builds the wrapper
-  only up to ``FP32_WRAPPER_ROWS`` rows, where the host's share of the step is largest, and bf16
-  at every bucket.
+  9.3–10.5. bf16 at 8 rows 7.54–7.90 ms against 8.04–9.02: a gain. Between them (the same VM,
+  a later day, alternating): fp32 at 2 rows 15.10 and 15.36 ms with it against 15.92 and 16.35
+  without; at 4 rows, five rounds, 17.85, 18.54, 18.13, 18.62, 18.04 against 18.02, 18.66,
+  18.98, 19.12, 19.41 (ahead in every round, by 0.6–7 %), for 1–5 s more compile (16.8–17.3 s
+  against 12.0–15.9 with a warm kernel cache). So fp32 builds the wrapper up to
+  ``FP32_WRAPPER_ROWS`` rows, where the host's share of the step is largest, and bf16 at every
+  bucket: where it gains, a faster step is worth the seconds (the sweep keeps the faster path).
 - bf16: ``freezing`` plus ``max_autotune`` with Inductor's C++ GEMM template. Freezing turns the
   weights into constants, which lets Inductor lay them out ahead of time for the CPU's bf16
   matrix units (AMX); max-autotune times that generated GEMM against ATen's for each matmul
@@ -57,7 +61,13 @@ code generation take most of it). Inductor settings that shorten scheduling or f
 (``loop_ordering_after_fusion`` off, ``max_fusion_size`` 8, no horizontal fusion, no size asserts)
 each compiled as slowly as the default, from an empty cache, and ran no faster. A kernel cache
 left by an earlier run cuts a compile by about a third (35.1 → 23.1 s at 1 row, 22.0 → 15.5 s at
-8); a graph with frozen weights is new every time, so nothing caches the rest. Compiling one
+8). Where the rest goes, from ``torch._dynamo.utils.compile_times()`` (8 rows, no wrapper, kernel
+cache warm, a normal day: 9.8 s): TorchDynamo's tracing 1.2 s; functionalization, graph passes
+and freezing (the weights packed for MKL) 2.7 s; Inductor's scheduler 0.9 s and its code
+generation 3.3 s; loading 0.2 s. From an empty kernel cache add about 3.5 s of C++ compiling. The
+FX graph cache, which would let a second run skip all of it, is bypassed ("mkldnn tensors
+unpickleable": the packed weights are constants of the graph), and so is AOTAutograd's cache
+("Cannot cache a graph with freezing enabled"). Compiling one
 decoder layer and reusing it for all twelve (the weights as graph inputs) cannot keep the packed
 weights frozen: Inductor lowers oneDNN's packed linear only for a constant weight. Called through
 an opaque operator instead, the layers still compiled as 12 graphs (the layer index the K/V cache
