@@ -165,3 +165,55 @@ def test_a_bucket_past_the_wrapper_rows_compiles_without_it_and_keeps_eagers_tok
     assert outs[1] == outs[0]
     assert list(eng.runner.compile_s) == [(8, 16)] and seen == [8]
     assert real("cpu", torch.float32, seen[0])["cpp_wrapper"] is False
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_decode_attention_by_reduction_computes_the_attention_kernels_result(dtype, tol):
+    """Grouped heads (12 query heads over 4 K/V heads), rows of different lengths under a mask,
+    eager and compiled with the K/V read through gather indices: the same as SDPA's."""
+    from minillm.engine.attention import decode_attention, decode_attention_by_reduction
+    g = torch.Generator().manual_seed(0)
+    B, H, KVH, D, L, positions = 3, 12, 4, 16, 20, 64
+    q = torch.randn(B, H, D, generator=g).to(dtype)
+    k_all = torch.randn(positions, KVH, D, generator=g).to(dtype)
+    v_all = torch.randn(positions, KVH, D, generator=g).to(dtype)
+    locs = torch.randint(0, positions, (B, L), generator=g)                      # [B, L]
+    mask = (torch.arange(L)[None, :] < torch.tensor([L, 7, 1])[:, None])[:, None, None, :]
+    expected = decode_attention(q, k_all[locs], v_all[locs], mask).float()       # [B, H, D]
+    eager = decode_attention_by_reduction(q, k_all[locs], v_all[locs], mask)
+    compiled = torch.compile(lambda q, k, v, i, m: decode_attention_by_reduction(q, k[i], v[i], m),
+                             dynamic=False)(q, k_all, v_all, locs, mask)
+    for got in (eager, compiled):
+        assert got.shape == (B, H, D) and got.dtype == dtype
+        torch.testing.assert_close(got.float(), expected, atol=tol, rtol=tol)
+    unmasked = decode_attention_by_reduction(q, k_all[locs], v_all[locs], None).float()
+    torch.testing.assert_close(unmasked, decode_attention(q, k_all[locs], v_all[locs], None).float(),
+                               atol=tol, rtol=tol)
+
+
+def test_only_the_compiled_fp32_cpu_decode_attends_by_reduction(monkeypatch):
+    """The compiled fp32 runner turns it on, inside its compiled step only (an eager step, such as
+    decode rows beside a prefill chunk, keeps the attention kernel); bf16 and eager keep it off."""
+    import minillm.engine.attention as attention
+    from minillm.engine.engine import LLMEngine
+    from minillm.engine.sampling import SamplingParams
+    from minillm.engine.tokenizer import load_tokenizer
+    tok = load_tokenizer(None)
+    eager = LLMEngine(_tiny_model("fp32", seed=1), tok, max_batch_size=2, max_model_len=32)
+    eager.runner.backend.decode_by_reduction = True
+
+    def refuse(*args):
+        raise AssertionError("an eager step attended by reduction")
+    monkeypatch.setattr(attention, "decode_attention_by_reduction", refuse)
+    rid = eager.add_request([5, 17, 300, 42], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    while not eager.get(rid).finished:
+        eager.step()
+    assert len(eager.output_of(eager.pop_finished(rid)).token_ids) == 3
+    flags = {}
+    for dtype in ("fp32", "bf16"):
+        for compile in (False, True):
+            eng = LLMEngine(_tiny_model(dtype, seed=1), tok, max_batch_size=2, max_model_len=32,
+                            compile=compile)
+            flags[dtype, compile] = eng.runner.backend.decode_by_reduction
+    assert flags == {("fp32", False): False, ("fp32", True): True,
+                     ("bf16", False): False, ("bf16", True): False}
