@@ -10,6 +10,9 @@ the matmuls.
 What is compiled: the runner's static decode (``ModelRunner`` with ``static_decode``), one graph
 per bucket of (rows, K/V length), the shapes CUDA graphs use too; on CUDA the compiled step is
 then captured as a CUDA graph. Prefill steps stay eager (their shapes vary with every prompt).
+In fp32 on a CPU the compiled step's decode attention is written as sums that Inductor fuses with
+the K/V gather (``attention.decode_attention_by_reduction``, with its measurements); eager steps and
+bf16 keep the attention kernel.
 The first step of each bucket pays the compilation; that time is logged and kept in the step's
 ``StepRecord.compile_ms`` and in ``ModelRunner.compile_s``. Eager stays the default and the
 reference: the tests pin compiled tokens against eager ones.
