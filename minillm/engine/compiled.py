@@ -56,6 +56,13 @@ Inductor's settings on a CPU (``inductor_options``) were chosen by measurement: 
   weight read across rows), frozen 12.9–13.5 ms and 24.3–25.6 ms. Autotuning Inductor's C++
   template against it chose MKL's packed kernel for every shape and only added compile time.
   The price is memory: each compiled row bucket holds its own packed copy of the weights.
+- fp32 without Inductor's C++ tiling heuristics (``cpp.enable_tiling_heuristics``). The fp32 decode
+  attention's reductions (``attention.decode_attention_by_reduction``) made code generation 6 s
+  longer per bucket: the scheduler's codegen took 10.2 s at 8 rows against 4.0 with the attention
+  kernel, almost all of it trying tilings for those kernels. Without the heuristics, alternating
+  fresh processes: at 8 rows compile 15.2–15.5 s against 21.5–21.7 and steps 22.87/23.08 ms
+  against 22.66/23.75 (the attention kernel: 24.91/25.54 ms, 12.4–12.5 s); at 1 row 19.2 s against
+  19.5–19.6 and 13.60/12.86 ms against 13.74/13.10.
 
 What a compile costs, and what did not cut it (fp32, the same VM on a slower day, 2 threads): the
 whole step is one graph, so the compile grows with the layers, 17.3 s for ``cpu-small``'s 12 layers
@@ -131,6 +138,8 @@ def inductor_options(device: torch.device | str, dtype: torch.dtype, rows: int) 
     options = {"cpp_wrapper": dtype != torch.float32 or rows <= FP32_WRAPPER_ROWS, "freezing": True}
     if dtype == torch.bfloat16:
         options.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN")
+    if dtype == torch.float32:
+        options["cpp.enable_tiling_heuristics"] = False
     return options
 
 
