@@ -137,8 +137,9 @@ def decode_attention_by_reduction(q: torch.Tensor, kc: torch.Tensor, vc: torch.T
     steps): at 1 row 12.73, 12.40, 12.82, 12.80 ms against 13.12, 13.75, 13.10, 12.79 with the
     gather and the attention kernel; at 8 rows 21.82, 23.07, 21.67, 22.42, 21.73 against 25.24,
     24.17, 23.19, 23.08, 24.71 (the step without any attention: 19.23). It costs compile time
-    (about 20 s a bucket against 12–17) and gains nothing in bf16 (6.81/7.31 against 6.92/6.54 ms
-    at 1 row, 9.62/9.90 against 9.48/9.92 at 8), so only the compiled fp32 decode uses it.
+    (15 s at 8 rows against 12.5, once Inductor's tiling heuristics are off: compiled.py) and gains
+    nothing in bf16 (6.81/7.31 against 6.92/6.54 ms at 1 row, 9.62/9.90 against 9.48/9.92 at 8), so
+    only the compiled fp32 decode uses it.
     Written with the sequence innermost instead (scores ``[B, KVH, G, L]``), the 8-row step took
     34.7 ms. q: [B, H, D]; kc, vc: [B, L, KVH, D]; mask: [B, 1, 1, L] or None → [B, H, D]."""
     B, H, D = q.shape
