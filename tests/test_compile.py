@@ -33,27 +33,57 @@ def _tiny_model(dtype: str, seed: int, max_positions: int = 64):
     return model
 
 
+def measured_choice(monkeypatch, model, faster_than_inductor: bool):
+    """Make the decode matmul choice what a machine could have measured: every shape on oneDNN's
+    packed kernel, which ran one step's matmuls 2× faster than MKL's packing (so a compiled fp32
+    decode keeps it) or 2× slower (so Inductor's freezing lays the weights out)."""
+    from minillm.engine import matmul
+    rows = list(matmul.DECODE_ROWS)
+    shapes = [matmul.ShapeChoice(n, k, b, "onednn-packed", {"onednn-packed": {str(r): 1.0 for r in rows}},
+                                 by_rows={str(r): "onednn-packed" for r in rows},
+                                 inductor_ms={str(r): 2.0 if faster_than_inductor else 0.5 for r in rows})
+              for n, k, b in matmul.linear_shapes(model)]
+    dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+    ch = matmul.MatmulChoice("test", matmul.machine_id(), torch.__version__, torch.get_num_threads(),
+                             dtype, rows, shapes)
+    monkeypatch.setattr(matmul, "choose", lambda m, *a, **k: ch)
+    return ch
+
+
+def _packed_linears(model) -> int:
+    from minillm.engine.matmul import PackedLinear
+    return sum(isinstance(m, PackedLinear) for m in model.modules())
+
+
 # bf16: the logits here reach about 25, where bf16's spacing is 0.125; a logprob (a logit minus
 # a log-sum-exp, each rounded) may move by that much when other kernels sum in another order.
-@pytest.mark.parametrize("dtype,logprob_tol", [("fp32", 1e-4), ("bf16", 0.125)])
-def test_compiled_decode_gives_the_same_tokens_as_eager(dtype, logprob_tol):
+@pytest.mark.parametrize("dtype,logprob_tol,choice_faster", [("fp32", 1e-4, False), ("fp32", 1e-4, True),
+                                                             ("bf16", 0.125, True)])
+def test_compiled_decode_gives_the_same_tokens_as_eager(monkeypatch, dtype, logprob_tol, choice_faster):
     """Small on purpose (2 layers, 512 tokens, 2 rows, 4 tokens: one bucket, one compilation):
     Inductor compiles C++ on the CPU, and CI has 2 cores. bf16 compiles with frozen weights and
     autotuned GEMMs (``inductor_options``): other kernels, so its logprobs agree to bf16's
-    precision, not fp32's; its tokens must still be the same."""
+    precision, not fp32's; its tokens must still be the same. fp32 runs the machine's chosen decode
+    matmuls frozen where they beat Inductor's MKL packing, else Inductor's (engine/matmul.py prepare);
+    bf16 always Inductor's."""
     from minillm.engine.tokenizer import load_tokenizer
     model = _tiny_model(dtype, seed=2)
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported() and dtype == "bf16":
+        pytest.skip("no oneDNN bf16 kernels on this CPU")
+    measured_choice(monkeypatch, model, choice_faster)
     tok = load_tokenizer(None)
     prompts = [[5, 17, 300, 42, 9], [7, 8, 9, 10, 11, 12, 13, 14]]
     eager, eng_e = _generate(model, tok, prompts, compile=False)
+    assert _packed_linears(model) > 0                                 # eager runs the chosen kernels
     from torch._dynamo.utils import counters
     counters.clear()
     compiled, eng_c = _generate(model, tok, prompts, compile=True)
     # the settings reached the compiler: the weights were frozen and pre-packed for the CPU's
-    # kernels (freezing must be on while TorchDynamo traces)
+    # kernels (freezing must be on while TorchDynamo traces), by Inductor or by the choice
     packed = counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"]
-    if dtype == "fp32" or torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        assert packed > 0
+    kept = dtype == "fp32" and choice_faster
+    assert (_packed_linears(model) > 0) is kept and (eng_c.runner.matmul_choice is not None) is kept
+    assert (packed > 0) is not kept
     assert eng_e.runner.compile_s == {} and not eng_e.runner.static_decode
     assert [o.token_ids for o in compiled] == [o.token_ids for o in eager]
     assert len({t for o in eager for t in o.token_ids}) > 2          # not a degenerate repeat

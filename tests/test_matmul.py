@@ -182,7 +182,8 @@ def test_a_damaged_cache_file_is_measured_again():
 
 def test_enforce_eager_and_compile_keep_the_plain_path():
     assert EngineConfig(enforce_eager=True).resolved_matmul() == "aten"
-    assert EngineConfig(compile=True).resolved_matmul() == "aten"
+    assert EngineConfig(compile=True).resolved_matmul() == "auto"     # the runner decides (prepare)
+    assert EngineConfig(compile=True, enforce_eager=True).resolved_matmul() == "aten"
     assert EngineConfig().resolved_matmul() == "auto"
     with pytest.raises(ValueError, match="matmul must be one of auto, aten, got 'fast'"):
         EngineConfig(matmul="fast")
@@ -268,3 +269,48 @@ def test_busy_now_counts_the_cores_other_programs_keep_busy(monkeypatch):
     readings = iter([(1_000, 10_000), (1_010, 10_200)])        # 5 %: quiet
     monkeypatch.setattr(quiet, "busy_and_total_ticks", lambda: next(readings))
     assert not quiet.busy_now(share=0.25, window_s=0).busy
+
+
+def test_the_compiled_speedup_weighs_each_shape_by_its_layers_by_hand():
+    # two shapes: 3 layers of one, 1 of the other; the chosen kernels against MKL's packing
+    a = matmul.ShapeChoice(64, 32, False, "onednn-packed", {"onednn-packed": {"1": 1.0, "2": 2.0}},
+                           by_rows={"1": "onednn-packed", "2": "onednn-packed"},
+                           inductor_ms={"1": 2.0, "2": 2.0}, count=3)
+    b = matmul.ShapeChoice(32, 64, False, "onednn-packed", {"onednn-packed": {"1": 4.0, "2": 4.0}},
+                           by_rows={"1": "onednn-packed", "2": "onednn-packed"},
+                           inductor_ms={"1": 1.0, "2": 2.0}, count=1)
+    ch = matmul.MatmulChoice("t", "m", "v", 2, "float32", [1, 2, 256], [a, b])
+    # 1 row: (3·2 + 1) / (3·1 + 4) = 1; 2 rows: (3·2 + 2) / (3·2 + 4) = 0.8; the 256-row bucket is prefill's
+    assert ch.compiled_speedup() == pytest.approx(0.8 ** 0.5)
+    assert not ch.kept_when_compiled() and "packs for MKL" in ch.compiled_line()
+    a.inductor_ms = {"1": 4.0, "2": 4.0}           # (12 + 1) / 7 and (12 + 2) / 10: MKL's is slower
+    assert ch.kept_when_compiled() and "keeps these kernels" in ch.summary()
+    b.inductor_ms = {}                             # not timed (bf16, or no MKL): nothing to compare
+    assert ch.compiled_speedup() is None and ch.kept_when_compiled()
+
+
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="no MKL in this torch build")
+def test_mkls_packing_is_timed_beside_the_candidates_in_fp32_only():
+    sc = matmul.choose_for_shape(96, 64, True, torch.float32, (1, 2), repeats=1, stack_bytes=1)
+    assert set(sc.inductor_ms) == {"1", "2"} and all(v > 0 for v in sc.inductor_ms.values())
+    assert matmul.INDUCTOR_FP32 not in sc.ms and matmul.INDUCTOR_FP32 not in sc.rejected   # never routed to
+    bf16 = matmul.choose_for_shape(96, 64, False, torch.bfloat16, (1,), repeats=1, stack_bytes=1)
+    assert bf16.inductor_ms == {}
+    ch = matmul.MatmulChoice("t", "m", "v", 2, "float32", [1, 2], [sc])
+    assert f"{matmul.INDUCTOR_FP32} (compiled)" in ch.table()
+
+
+def test_a_compiled_bf16_decode_measures_nothing_and_stays_plain(monkeypatch):
+    def never(*a, **k):
+        raise AssertionError("a compiled bf16 decode has no choice to make")
+    monkeypatch.setattr(matmul, "choose", never)
+    m = load_model("tiny", torch.device("cpu"), torch.bfloat16, 0)
+    assert matmul.prepare(m, "auto", compiled=True) is None
+    assert not any(isinstance(x, matmul.PackedLinear) for x in m.modules())
+
+
+def test_the_layers_of_each_shape_are_counted():
+    m = load_model("tiny", torch.device("cpu"), torch.float32, 0)
+    counts = matmul.linear_shape_counts(m)
+    assert sum(counts.values()) == sum(1 for _ in matmul._linears(m))
+    assert set(counts.values()) == {m.config.num_layers}          # tiny ties lm_head: each shape once a layer

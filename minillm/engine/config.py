@@ -64,9 +64,9 @@ class EngineConfig:
             raise ValueError("invalid EngineConfig: " + "; ".join(problems))
 
     def resolved_matmul(self) -> str:
-        """The matmul mode the runner applies: the plain one under enforce_eager, and under compile
-        (Inductor lays the weights out itself when it freezes them)."""
-        return "aten" if self.enforce_eager or self.compile else self.matmul
+        """The matmul mode the runner applies: the plain one under enforce_eager. Under compile the
+        runner keeps the chosen kernels only where they beat Inductor's own (engine/matmul.py prepare)."""
+        return "aten" if self.enforce_eager else self.matmul
 
     def resolved_budget(self, max_model_len: int) -> int:
         """Tokens one step may hold. Chunked: 2048 (a long prompt is split across steps).

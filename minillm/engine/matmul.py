@@ -74,6 +74,10 @@ PREFILL_ROWS = 256                      # one prefill-sized bucket: the packed w
 # copies of a weight timed in turn: twice the 32 MiB cache of the VM it was tuned on
 STACK_BYTES = 64 * 2**20
 MAX_COPIES = 64
+# What Inductor's freezing makes of an fp32 nn.Linear when torch has MKL: the weight packed for MKL's
+# sgemm at the graph's row count (torch/_inductor/fx_passes/mkldnn_fusion.py). It is timed beside the
+# candidates, so that the compiled decode keeps this choice only where it reads faster (prepare).
+INDUCTOR_FP32 = "mkl-packed"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,6 +139,17 @@ CANDIDATES: dict[str, Candidate] = {
 }
 
 
+def inductor_packing_timed(dtype: torch.dtype) -> bool:
+    """Whether Inductor would pack this dtype's weights for MKL when it freezes them (fp32 with MKL);
+    bf16 it packs for oneDNN and autotunes itself (engine/compiled.py), so there is nothing to compare."""
+    return dtype == torch.float32 and torch.backends.mkl.is_available()
+
+
+def _mkl_packed(rows: int) -> Callable:
+    """MKL's packed sgemm for exactly ``rows`` rows, as a frozen graph calls it: held = (packed, plain)."""
+    return lambda x, h, b: torch.ops.mkl._mkl_linear(x, h[0], h[1], b, rows)
+
+
 class PackedLinear(nn.Module):
     """An ``nn.Linear`` whose weight is held the way the chosen candidate wants it (a oneDNN
     blocked layout, a transposed copy). It replaces the original: the plain weight is not kept, so
@@ -186,6 +201,12 @@ class ShapeChoice:
     ms: dict[str, dict[str, float]] = field(default_factory=dict)    # candidate → {rows: ms per copy}
     rejected: dict[str, str] = field(default_factory=dict)           # candidate → why (wrong or failed)
     by_rows: dict[str, str] = field(default_factory=dict)            # row bucket → chosen's layout's kernel
+    inductor_ms: dict[str, float] = field(default_factory=dict)      # rows → ms of INDUCTOR_FP32 (fp32, MKL)
+    count: int = 1                                                   # nn.Linear layers of this shape
+
+    def chosen_ms(self, rows: int) -> float:
+        """ms per weight of the kernel this shape runs at ``rows`` rows."""
+        return self.ms[self.by_rows[str(rows)]][str(rows)]
 
     @property
     def shape(self) -> str:
@@ -227,13 +248,39 @@ class MatmulChoice(Result):
                 return s
         return None
 
+    def compiled_speedup(self) -> float | None:
+        """How many times faster the chosen kernels run one decode step's matmuls than the MKL
+        packing Inductor's freezing would put in their place: Σ over the shapes of layers × ms,
+        chosen against MKL's, the geometric mean over the decode row buckets. None where that
+        packing was not timed (bf16; a torch without MKL, whose frozen fp32 graph keeps F.linear,
+        which the choice already beat)."""
+        rows = [r for r in self.row_counts if r in DECODE_ROWS]
+        if not rows or not all(str(r) in s.inductor_ms for s in self.rows for r in rows):
+            return None
+        ratios = [sum(s.count * s.inductor_ms[str(r)] for s in self.rows)
+                  / sum(s.count * s.chosen_ms(r) for s in self.rows) for r in rows]
+        return math.prod(ratios) ** (1 / len(ratios))
+
+    def kept_when_compiled(self) -> bool:
+        """Whether a compiled decode runs these kernels (frozen as they are) rather than Inductor's."""
+        speedup = self.compiled_speedup()
+        return speedup is None or speedup > 1
+
+    def compiled_line(self) -> str:
+        speedup = self.compiled_speedup()
+        if speedup is None:
+            return "compiled decode: keeps these kernels (Inductor's MKL packing not timed here)"
+        return (f"compiled decode: {'keeps these kernels' if speedup > 1 else 'packs for MKL (Inductor)'}, "
+                f"{speedup:.2f}× the speed of MKL's packed sgemm over the decode buckets")
+
     def summary(self) -> str:
-        """One line: which candidate each weight shape uses."""
+        """One line: which candidate each weight shape uses, and what a compiled decode runs."""
         how = ("cached" if self.cached else f"measured in {self.seconds:.1f} s") + (
             " on a busy machine: measured again when it is quiet" if self.busy else "")
         att = f"; decode attention in {self.attention}" if self.attention_us else ""
+        compiled = f"; {self.compiled_line()}" if self.compiled_speedup() is not None else ""
         return (f"decode matmuls ({self.dtype}, {self.threads} threads, {how}): "
-                + ", ".join(f"{s.shape} → {s.described()}" for s in self.rows) + att)
+                + ", ".join(f"{s.shape} → {s.described()}" for s in self.rows) + att + compiled)
 
     def table(self) -> str:
         """ms per weight at each row count, every candidate, the chosen one marked."""
@@ -246,6 +293,10 @@ class MatmulChoice(Result):
                              + "".join(f"{by_rows.get(str(r), float('nan')):>9.3f}"
                                        + ("<" if s.by_rows.get(str(r)) == name else " ")
                                        for r in self.row_counts))
+            if s.inductor_ms:
+                lines.append(f"{s.shape:<16}{INDUCTOR_FP32 + ' (compiled)':<21}"
+                             + "".join(f"{s.inductor_ms.get(str(r), float('nan')):>9.3f} "
+                                       for r in self.row_counts))
             for name, why in s.rejected.items():
                 lines.append(f"{s.shape:<16}{name:<21} rejected: {why}")
         for way, by_rows in self.attention_us.items():
@@ -255,16 +306,24 @@ class MatmulChoice(Result):
                                    for r in self.row_counts))
         lines.append("(ms per weight, attention ms per layer at 256 cached tokens, median; * the chosen one, "
                      "whose layout is held: the least geometric mean of time ÷ the best at each row count; "
-                     "< the kernel each row count runs, the fastest of that layout)")
+                     "< the kernel each row count runs, the fastest of that layout; "
+                     f"{INDUCTOR_FP32} (compiled): what Inductor's freezing would run instead, "
+                     "packed per row count)")
         return "\n".join(lines)
 
 
 def linear_shapes(model: nn.Module) -> list[tuple[int, int, bool]]:
     """The distinct (out, in, bias) shapes of the model's untied ``nn.Linear`` layers."""
-    seen: dict[tuple[int, int, bool], None] = {}
+    return list(linear_shape_counts(model))
+
+
+def linear_shape_counts(model: nn.Module) -> dict[tuple[int, int, bool], int]:
+    """How many untied ``nn.Linear`` layers have each (out, in, bias) shape, in the model's order."""
+    seen: dict[tuple[int, int, bool], int] = {}
     for _, mod in _linears(model):
-        seen[(mod.out_features, mod.in_features, mod.bias is not None)] = None
-    return list(seen)
+        key = (mod.out_features, mod.in_features, mod.bias is not None)
+        seen[key] = seen.get(key, 0) + 1
+    return seen
 
 
 def _linears(model: nn.Module):
@@ -299,7 +358,8 @@ def choice_key(shapes: list[tuple[int, int, bool]], dtype: torch.dtype, rows: tu
                heads: tuple[int, int, int] | None = None) -> str:
     what = {"machine": machine_id(), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "dtype": str(dtype), "shapes": sorted(shapes), "rows": list(rows), "heads": heads,
-            "candidates": sorted(CANDIDATES), "routed": "by layout, then by row bucket"}
+            "candidates": sorted(CANDIDATES), "routed": "by layout, then by row bucket",
+            "compiled": INDUCTOR_FP32 if inductor_packing_timed(dtype) else None}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -307,11 +367,11 @@ def cache_path(key: str) -> Path:
     return cache_dir() / f"{key}.json"
 
 
-def _pass_ms(c: Candidate, held: list[torch.Tensor], x: torch.Tensor, bias) -> float:
+def _pass_ms(forward: Callable, held: list, x: torch.Tensor, bias) -> float:
     """ms per weight over one pass through the stack of copies."""
     t0 = time.perf_counter()
     for h in held:
-        c.forward(x, h, bias)
+        forward(x, h, bias)
     return (time.perf_counter() - t0) * 1e3 / len(held)
 
 
@@ -348,21 +408,45 @@ def choose_for_shape(out_features: int, in_features: int, bias: bool, dtype: tor
             sc.rejected[name] = f"differs from F.linear by {(got - want).abs().max().item():.3g}"
             continue
         ready[name] = held
+    inductor = inductor_packing_timed(dtype) and _inductor_packing_agrees(weights[0], probe, b, want, sc)
     # candidates interleaved within each repeat, so a burst of other work hits them all alike
     for r in rows:
         x = torch.randn(r, in_features, generator=g).to(dtype)
-        samples: dict[str, list[float]] = {name: [] for name in ready}
+        timed = {name: (CANDIDATES[name].forward, held) for name, held in ready.items()}
+        if inductor:                       # packed for exactly r rows, as a frozen graph of r rows is
+            timed[INDUCTOR_FP32] = (_mkl_packed(r), [(torch.ops.mkl._mkl_reorder_linear_weight(w, r), w)
+                                                     for w in weights])
+        samples: dict[str, list[float]] = {name: [] for name in timed}
         for i in range(repeats + 1):
-            for name, held in ready.items():
-                ms = _pass_ms(CANDIDATES[name], held, x, b)
+            for name, (forward, held) in timed.items():
+                ms = _pass_ms(forward, held, x, b)
                 if i:                      # the first pass warms up
                     samples[name].append(ms)
         for name, xs in samples.items():
-            sc.ms.setdefault(name, {})[str(r)] = statistics.median(xs)
+            if name == INDUCTOR_FP32:
+                sc.inductor_ms[str(r)] = statistics.median(xs)
+            else:
+                sc.ms.setdefault(name, {})[str(r)] = statistics.median(xs)
+        timed.clear()
     ready.clear()
     if sc.ms:
         sc.chosen, sc.by_rows = route(sc.ms)
     return sc
+
+
+def _inductor_packing_agrees(w: torch.Tensor, probe: torch.Tensor, b: torch.Tensor | None,
+                             want: torch.Tensor, sc: ShapeChoice) -> bool:
+    """MKL's packed sgemm gives F.linear's result here (else it is recorded as rejected, not timed)."""
+    n = probe.shape[0]
+    try:
+        got = _mkl_packed(n)(probe, (torch.ops.mkl._mkl_reorder_linear_weight(w, n), w), b).float()
+    except RuntimeError as e:
+        sc.rejected[INDUCTOR_FP32] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+        return False
+    if not torch.allclose(got, want, rtol=1e-4, atol=1e-4):
+        sc.rejected[INDUCTOR_FP32] = f"differs from F.linear by {(got - want).abs().max().item():.3g}"
+        return False
+    return True
 
 
 def route(ms: dict[str, dict[str, float]]) -> tuple[str, dict[str, str]]:
@@ -429,7 +513,8 @@ def choose(model: nn.Module, rows: tuple[int, ...] | None = None, use_cache: boo
     first run on a quiet machine."""
     dtype = next(model.parameters()).dtype
     rows = tuple(rows or (*DECODE_ROWS, PREFILL_ROWS))
-    shapes = linear_shapes(model)
+    counts = linear_shape_counts(model)
+    shapes = list(counts)
     cfg = getattr(model, "config", None)
     heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) if cfg is not None else None
     key = choice_key(shapes, dtype, rows, heads)
@@ -451,6 +536,8 @@ def choose(model: nn.Module, rows: tuple[int, ...] | None = None, use_cache: boo
     t0 = time.perf_counter()
     with torch.inference_mode():
         found = [choose_for_shape(n, k, b, dtype, rows, repeats, stack_bytes) for n, k, b in shapes]
+        for sc in found:
+            sc.count = counts[(sc.out_features, sc.in_features, sc.bias)]
         ch = MatmulChoice(key, machine_id(), torch.__version__, torch.get_num_threads(),
                           str(dtype).replace("torch.", ""), list(rows), found)
         if heads is not None and dtype != torch.float32:
@@ -503,17 +590,31 @@ def restore_plain(model: nn.Module) -> int:
     return n
 
 
-def prepare(model: nn.Module, mode: str = "auto") -> MatmulChoice | None:
-    """What the engine calls: on a CPU in mode ``auto``, choose and apply; else nothing (None)."""
+def prepare(model: nn.Module, mode: str = "auto", compiled: bool = False) -> MatmulChoice | None:
+    """What the engine calls: on a CPU in mode ``auto``, choose and apply; else nothing (None).
+
+    ``compiled`` (the runner compiles its decode): Inductor's freezing lays plain weights out itself,
+    for MKL's packed sgemm in fp32 and for oneDNN in bf16, where it also autotunes its own GEMM
+    (engine/compiled.py). So bf16 stays plain, and fp32 keeps the chosen kernels only where they ran
+    one step's matmuls faster than MKL's packing (:meth:`MatmulChoice.kept_when_compiled`). Measured
+    on the project's AMD EPYC VM (2 threads, ``cpu-small`` fp32, compiled step at 128 cached tokens,
+    median of 40): 16.6 ms at 1 row and 20.0 at 8 with the chosen oneDNN kernels frozen, against
+    23.1 and 54.9 with MKL's packing; one 8192×768 weight took 0.95/1.06 ms (1/8 rows) in oneDNN's
+    and 1.12/3.03 ms in MKL's. On the Intel Xeon VM MKL's was the faster (0.80/1.30 ms against
+    0.90/1.58), so there the compiled decode keeps Inductor's."""
     if mode not in MATMUL_MODES:
         raise ValueError(f"matmul must be one of {', '.join(MATMUL_MODES)}, got {mode!r}")
+    if compiled and next(model.parameters()).dtype != torch.float32:
+        mode = "aten"
     done = getattr(model, "matmul_choice", None)
     if done is not None:
-        if mode == "auto":
+        if mode == "auto" and (not compiled or done.kept_when_compiled()):
             return done                    # a second engine on the same model: already swapped
         restore_plain(model)               # the plain path asked for: the model follows the last engine built
     if mode == "aten" or next(model.parameters()).device.type != "cpu":
         return None
     ch = choose(model)
+    if compiled and not ch.kept_when_compiled():
+        return None
     apply(model, ch)
     return ch

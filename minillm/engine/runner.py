@@ -101,7 +101,7 @@ class ModelRunner:
         cfg = model.config
         self.model, self.cache, self.device = model, cache, model.device
         # decode matmuls that share the weight read across a batch, chosen on this CPU (10.3)
-        self.matmul_choice = prepare_matmuls(model, matmul)
+        self.matmul_choice = prepare_matmuls(model, matmul, compiled=compile)
         self.backend = AttentionBackend(cache, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self.backend.decode_upcast = self.matmul_choice is not None and self.matmul_choice.attention == "fp32"
         avoid_per_shape_attention_plans(self.device)
