@@ -49,6 +49,9 @@ def test_every_candidate_computes_f_linear_at_every_row_bucket(dtype, bias):
             torch.testing.assert_close(got, want, rtol=tol, atol=tol, msg=f"{name} at {r} rows")
         x3 = torch.randn(2, 3, 64, generator=g).to(dtype)     # a prefill's [B, T, K]
         assert c.forward(x3, held, b).shape == (2, 3, 96)
+        # no rows: a chunked prefill step whose chunks all stop short of their prompt's end samples
+        # nothing, and the LM head gets an empty batch
+        assert c.forward(torch.zeros(0, 64, dtype=dtype), held, b).shape == (0, 96), name
 
 
 def _choice_for(model, candidate: str) -> matmul.MatmulChoice:
@@ -314,3 +317,23 @@ def test_the_layers_of_each_shape_are_counted():
     counts = matmul.linear_shape_counts(m)
     assert sum(counts.values()) == sum(1 for _ in matmul._linears(m))
     assert set(counts.values()) == {m.config.num_layers}          # tiny ties lm_head: each shape once a layer
+
+
+@pytest.mark.skipif(not matmul._onednn_ok(torch.float32), reason="no oneDNN in this torch build")
+def test_a_chunked_prefill_step_that_samples_nothing_runs_through_the_padded_kernel():
+    """A long prompt split by a small token budget: its first chunks sample no row, so the LM head
+    (untied, so it is swapped too) gets no rows at all. The padded kernel once failed there
+    ("cannot reshape tensor of 0 elements") and the request ended in an error; it must give the
+    plain path's tokens."""
+    import dataclasses
+
+    from minillm.model.config import PRESETS
+    untied = dataclasses.replace(PRESETS["tiny"], name="tiny-untied", tie_word_embeddings=False)
+    prompts = [list(range(5, 45)), [7, 8, 9]]                        # 40 tokens: 3 chunks of ≤ 16
+    plain = load_model(untied, torch.device("cpu"), torch.float32, 0)
+    want, _ = _greedy(plain, prompts, matmul="aten", max_num_batched_tokens=16)
+    packed = load_model(untied, torch.device("cpu"), torch.float32, 0)
+    matmul.apply(packed, _choice_for(packed, "onednn-packed-pad4"))
+    got, eng = _greedy(packed, prompts, max_num_batched_tokens=16)
+    assert any(r.num_prefill_tokens and not r.num_sampled for r in eng.step_history)   # the case itself
+    assert got == want and all(len(t) == 12 for t in got)

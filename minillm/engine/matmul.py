@@ -111,7 +111,7 @@ def _onednn_padded(x: torch.Tensor, p: torch.Tensor, b: torch.Tensor | None) -> 
     the extra rows cost arithmetic a bandwidth-bound step has to spare."""
     k = x.shape[-1]
     n = x.numel() // k
-    if n >= PAD_ROWS:
+    if n >= PAD_ROWS or n == 0:        # no rows (a step whose rows all skip the LM head): nothing to pad
         return _onednn(x, p, b)
     xp = x.new_zeros(PAD_ROWS, k)                                      # [4, K]
     xp[:n] = x.reshape(n, k)
