@@ -56,6 +56,12 @@ Inductor's settings on a CPU (``inductor_options``) were chosen by measurement: 
   weight read across rows), frozen 12.9–13.5 ms and 24.3–25.6 ms. Autotuning Inductor's C++
   template against it chose MKL's packed kernel for every shape and only added compile time.
   The price is memory: each compiled row bucket holds its own packed copy of the weights.
+  That was the Xeon. On the project's AMD EPYC VM MKL's packed kernel does not share its read
+  (one 8192×768 weight: 1.12 ms at 1 row, 3.03 at 8, against 0.95 and 1.06 in oneDNN's), and the
+  compiled step took 23.1 ms at 1 row and 54.9 at 8, slower than eager with the chosen kernels. So
+  the runner keeps the decode matmuls chosen on the machine (``engine.matmul``) frozen as they are
+  wherever they ran a step's matmuls faster than MKL's packing, timed beside them
+  (``matmul.prepare``): there 16.6 and 20.0 ms.
 - fp32 without Inductor's C++ tiling heuristics (``cpp.enable_tiling_heuristics``). The fp32 decode
   attention's reductions (``attention.decode_attention_by_reduction``) made code generation 6 s
   longer per bucket: the scheduler's codegen took 10.2 s at 8 rows against 4.0 with the attention
