@@ -33,7 +33,7 @@ def _tiny_model(dtype: str, seed: int, max_positions: int = 64):
     return model
 
 
-def measured_choice(monkeypatch, model, faster_than_inductor: bool):
+def measured_choice(monkeypatch, model, faster_than_inductor: bool, attention: str = "native"):
     """Make the decode matmul choice what a machine could have measured: every shape on oneDNN's
     packed kernel, which ran one step's matmuls 2× faster than MKL's packing (so a compiled fp32
     decode keeps it) or 2× slower (so Inductor's freezing lays the weights out)."""
@@ -45,7 +45,7 @@ def measured_choice(monkeypatch, model, faster_than_inductor: bool):
               for n, k, b in matmul.linear_shapes(model)]
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
     ch = matmul.MatmulChoice("test", matmul.machine_id(), torch.__version__, torch.get_num_threads(),
-                             dtype, rows, shapes)
+                             dtype, rows, shapes, attention=attention)
     monkeypatch.setattr(matmul, "choose", lambda m, *a, **k: ch)
     return ch
 
@@ -70,7 +70,8 @@ def test_compiled_decode_gives_the_same_tokens_as_eager(monkeypatch, dtype, logp
     model = _tiny_model(dtype, seed=2)
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported() and dtype == "bf16":
         pytest.skip("no oneDNN bf16 kernels on this CPU")
-    measured_choice(monkeypatch, model, choice_faster)
+    # bf16: the machine measured decode attention faster upcast to fp32, which holds compiled too
+    measured_choice(monkeypatch, model, choice_faster, attention="fp32" if dtype == "bf16" else "native")
     tok = load_tokenizer(None)
     prompts = [[5, 17, 300, 42, 9], [7, 8, 9, 10, 11, 12, 13, 14]]
     eager, eng_e = _generate(model, tok, prompts, compile=False)
@@ -84,6 +85,7 @@ def test_compiled_decode_gives_the_same_tokens_as_eager(monkeypatch, dtype, logp
     kept = dtype == "fp32" and choice_faster
     assert (_packed_linears(model) > 0) is kept and (eng_c.runner.matmul_choice is not None) is kept
     assert (packed > 0) is not kept
+    assert eng_e.runner.backend.decode_upcast is eng_c.runner.backend.decode_upcast is (dtype == "bf16")
     assert eng_e.runner.compile_s == {} and not eng_e.runner.static_decode
     assert [o.token_ids for o in compiled] == [o.token_ids for o in eager]
     assert len({t for o in eager for t in o.token_ids}) > 2          # not a degenerate repeat

@@ -337,3 +337,20 @@ def test_a_chunked_prefill_step_that_samples_nothing_runs_through_the_padded_ker
     got, eng = _greedy(packed, prompts, max_num_batched_tokens=16)
     assert any(r.num_prefill_tokens and not r.num_sampled for r in eng.step_history)   # the case itself
     assert got == want and all(len(t) == 12 for t in got)
+
+
+def test_decode_attention_follows_the_measured_choice_even_when_the_matmuls_stay_plain(monkeypatch):
+    bf16 = load_model("tiny", torch.device("cpu"), torch.bfloat16, 0)
+    ch = _choice_for(bf16, "aten")
+    ch.attention = "fp32"
+    monkeypatch.setattr(matmul, "choose", lambda m, *a, **k: ch)
+    assert matmul.decode_attention_in_fp32(bf16, "auto", None)          # compiled bf16: plain matmuls
+    assert not matmul.decode_attention_in_fp32(bf16, "aten", None)      # the plain path asked for
+    ch.attention = "native"
+    assert not matmul.decode_attention_in_fp32(bf16, "auto", None)
+
+    def never(*a, **k):
+        raise AssertionError("fp32 attention has nothing to upcast")
+    monkeypatch.setattr(matmul, "choose", never)
+    fp32 = load_model("tiny", torch.device("cpu"), torch.float32, 0)
+    assert not matmul.decode_attention_in_fp32(fp32, "auto", None)

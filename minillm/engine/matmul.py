@@ -595,7 +595,8 @@ def prepare(model: nn.Module, mode: str = "auto", compiled: bool = False) -> Mat
 
     ``compiled`` (the runner compiles its decode): Inductor's freezing lays plain weights out itself,
     for MKL's packed sgemm in fp32 and for oneDNN in bf16, where it also autotunes its own GEMM
-    (engine/compiled.py). So bf16 stays plain, and fp32 keeps the chosen kernels only where they ran
+    (engine/compiled.py). So bf16 stays plain (its decode attention still follows the measured choice:
+:func:`decode_attention_in_fp32`), and fp32 keeps the chosen kernels only where they ran
     one step's matmuls faster than MKL's packing (:meth:`MatmulChoice.kept_when_compiled`). Measured
     on the project's AMD EPYC VM (2 threads, ``cpu-small`` fp32, compiled step at 128 cached tokens,
     median of 40): 16.6 ms at 1 row and 20.0 at 8 with the chosen oneDNN kernels frozen, against
@@ -618,3 +619,18 @@ def prepare(model: nn.Module, mode: str = "auto", compiled: bool = False) -> Mat
         return None
     apply(model, ch)
     return ch
+
+
+def decode_attention_in_fp32(model: nn.Module, mode: str, choice: MatmulChoice | None) -> bool:
+    """Whether decode attention upcasts to fp32 (:func:`choose_decode_attention`): the applied choice's
+    answer, and for a bf16/fp16 model whose compiled decode keeps Inductor's matmuls (``prepare``
+    returned None) the same machine's measured answer, read from the cache. Measured on the AMD EPYC
+    VM (``cpu-small`` bf16, compiled step at 128 cached tokens, median of 40, two rounds alternating):
+    8 rows 23.05 and 21.70 ms with the bf16 attention kernel, 16.67 and 14.76 ms upcast; 1 row 8.09
+    and 8.63 against 8.64 and 7.50."""
+    if choice is not None:
+        return choice.attention == "fp32"
+    param = next(model.parameters())
+    if mode != "auto" or param.device.type != "cpu" or param.dtype == torch.float32:
+        return False
+    return choose(model).attention == "fp32"

@@ -42,6 +42,7 @@ from minillm.engine.attention import (
 )
 from minillm.engine.cuda_graphs import GraphPool
 from minillm.engine.kv_cache import KVCache
+from minillm.engine.matmul import decode_attention_in_fp32
 from minillm.engine.matmul import prepare as prepare_matmuls
 from minillm.engine.sampling import (
     Sampler,
@@ -103,7 +104,7 @@ class ModelRunner:
         # decode matmuls that share the weight read across a batch, chosen on this CPU (10.3)
         self.matmul_choice = prepare_matmuls(model, matmul, compiled=compile)
         self.backend = AttentionBackend(cache, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-        self.backend.decode_upcast = self.matmul_choice is not None and self.matmul_choice.attention == "fp32"
+        self.backend.decode_upcast = decode_attention_in_fp32(model, matmul, self.matmul_choice)
         avoid_per_shape_attention_plans(self.device)
         self.sampler = Sampler(self.device, seed)
         self.sync_timing = sync_timing
