@@ -1,0 +1,126 @@
+"""The decode matmul kernels a weight can be held for (chapter 10.3): each :class:`Candidate` says how
+to lay a weight out and how to multiply by it, and :class:`PackedLinear` is the ``nn.Linear`` that
+holds it so. Which one each weight shape runs is chosen per machine by measurement in
+``engine/matmul.py``, which also holds the measurements that chose them."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+PAD_ROWS = 4                            # onednn-packed-pad4 pads fewer rows to this many
+# What Inductor's freezing makes of an fp32 nn.Linear when torch has MKL: the weight packed for MKL's
+# sgemm at the graph's row count (torch/_inductor/fx_passes/mkldnn_fusion.py). It is timed beside the
+# candidates, so that the compiled decode keeps the choice only where it reads faster (matmul.prepare).
+INDUCTOR_FP32 = "mkl-packed"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str
+    why: str
+    layout: str                       # how the weight is held; the candidates of one layout share it
+    available: Callable[[torch.dtype], bool]
+    prepare: Callable[[torch.Tensor], torch.Tensor]                 # weight [N, K] → what forward holds
+    forward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+    unpack: Callable[[torch.Tensor], torch.Tensor]                  # what forward holds → weight [N, K]
+
+
+def _onednn_ok(dtype: torch.dtype) -> bool:
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.float32:
+        return True
+    return dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def _onednn(x: torch.Tensor, p: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, p, b, "none", [], "")
+
+
+def _onednn_padded(x: torch.Tensor, p: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """Fewer than PAD_ROWS rows padded with zero rows: oneDNN's kernel for 1 or 2 rows read a
+    4096×768 fp32 weight 10–30 % slower than its kernel for 4 (the project's VM, 1 and 2 threads);
+    the extra rows cost arithmetic a bandwidth-bound step has to spare."""
+    k = x.shape[-1]
+    n = x.numel() // k
+    if n >= PAD_ROWS or n == 0:        # no rows (a step whose rows all skip the LM head): nothing to pad
+        return _onednn(x, p, b)
+    xp = x.new_zeros(PAD_ROWS, k)                                      # [4, K]
+    xp[:n] = x.reshape(n, k)
+    return _onednn(xp, p, b)[:n].view(*x.shape[:-1], -1)               # [..., N]
+
+
+CANDIDATES: dict[str, Candidate] = {
+    "aten": Candidate(
+        "aten", "torch's F.linear (MKL or OpenBLAS sgemm, oneDNN for bf16): the reference", "plain",
+        lambda dt: True, lambda w: w, lambda x, w, b: F.linear(x, w, b), lambda w: w),
+    "aten-kmajor": Candidate(
+        "aten-kmajor", "x @ Wᵀ with Wᵀ stored K-major: the library's other operand order", "kmajor",
+        lambda dt: True, lambda w: w.t().contiguous(),                 # [K, N]
+        lambda x, wt, b: torch.addmm(b, x.reshape(-1, x.shape[-1]), wt).view(*x.shape[:-1], wt.shape[1])
+        if b is not None else (x @ wt),
+        lambda wt: wt.t()),
+    "onednn-packed": Candidate(
+        "onednn-packed",
+        "oneDNN with the weight reordered once into its blocked layout (Inductor's freezing)", "onednn",
+        _onednn_ok, lambda w: torch.ops.mkldnn._reorder_linear_weight(w), _onednn, lambda p: p.to_dense()),
+    "onednn-packed-pad4": Candidate(
+        "onednn-packed-pad4", "the same, with fewer than 4 rows padded to 4 (its faster kernel)", "onednn",
+        _onednn_ok, lambda w: torch.ops.mkldnn._reorder_linear_weight(w), _onednn_padded,
+        lambda p: p.to_dense()),
+}
+
+
+def inductor_packing_timed(dtype: torch.dtype) -> bool:
+    """Whether Inductor would pack this dtype's weights for MKL when it freezes them (fp32 with MKL);
+    bf16 it packs for oneDNN and autotunes itself (engine/compiled.py), so there is nothing to compare."""
+    return dtype == torch.float32 and torch.backends.mkl.is_available()
+
+
+def _mkl_packed(rows: int) -> Callable:
+    """MKL's packed sgemm for exactly ``rows`` rows, as a frozen graph calls it: held = (packed, plain)."""
+    return lambda x, h, b: torch.ops.mkl._mkl_linear(x, h[0], h[1], b, rows)
+
+
+class PackedLinear(nn.Module):
+    """An ``nn.Linear`` whose weight is held the way the chosen candidate wants it (a oneDNN
+    blocked layout, a transposed copy). It replaces the original: the plain weight is not kept, so
+    the memory a model takes does not double. ``weight`` and ``state_dict()`` give the plain
+    weight back (unpacked on demand), so a packed model still converts to ``transformers`` or GGUF.
+    ``by_rows`` ({row bucket: candidate}, all of ``candidate``'s layout): the kernel each row count
+    runs, the smallest bucket at or above it deciding; past the largest bucket, the largest's."""
+
+    def __init__(self, linear: nn.Linear, candidate: str, by_rows: dict[str, str] | None = None):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.candidate = candidate
+        c = CANDIDATES[candidate]
+        with torch.no_grad():
+            self.register_buffer("held", c.prepare(linear.weight.detach()), persistent=False)
+        self.bias = linear.bias
+        self._forward = c.forward
+        # one lookup per call: the kernel for 0 … max_rows rows, indexed by the row count
+        routes = sorted((int(r), CANDIDATES[n].forward) for r, n in (by_rows or {}).items())
+        self._by_n = [next((f for r, f in routes if r >= n), routes[-1][1]) for n in range(routes[-1][0] + 1)
+                      ] if routes else []
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return CANDIDATES[self.candidate].unpack(self.held)            # [N, K]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.numel() // self.in_features                              # rows this step
+        fwd = self._by_n[n] if n < len(self._by_n) else self._by_n[-1] if self._by_n else self._forward
+        return fwd(x, self.held, self.bias)                            # [..., K] → [..., N]
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        destination[prefix + "weight"] = self.weight.detach()
+        if self.bias is not None:
+            destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, candidate={self.candidate}"
