@@ -33,15 +33,18 @@ def _tiny_model(dtype: str, seed: int, max_positions: int = 64):
     return model
 
 
-def measured_choice(monkeypatch, model, faster_than_inductor: bool, attention: str = "native"):
+def measured_choice(monkeypatch, model, faster_than_inductor: bool, attention: str = "native",
+                    reduction_faster: bool = False):
     """Make the decode matmul choice what a machine could have measured: every shape on oneDNN's
     packed kernel, which ran one step's matmuls 2× faster than MKL's packing (so a compiled fp32
-    decode keeps it) or 2× slower (so Inductor's freezing lays the weights out)."""
+    decode keeps it) or 2× slower (so Inductor's freezing lays the weights out); and one row written
+    as a compiled reduction timed 2× faster than that kernel, or 2× slower."""
     from minillm.engine import matmul
     rows = list(matmul.DECODE_ROWS)
     shapes = [matmul.ShapeChoice(n, k, b, "onednn-packed", {"onednn-packed": {str(r): 1.0 for r in rows}},
                                  by_rows={str(r): "onednn-packed" for r in rows},
-                                 inductor_ms={str(r): 2.0 if faster_than_inductor else 0.5 for r in rows})
+                                 inductor_ms={str(r): 2.0 if faster_than_inductor else 0.5 for r in rows},
+                                 reduction_ms=0.5 if reduction_faster else 2.0, reduction_beside_ms=1.0)
               for n, k, b in matmul.linear_shapes(model)]
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
     ch = matmul.MatmulChoice("test", matmul.machine_id(), torch.__version__, torch.get_num_threads(),
@@ -96,6 +99,27 @@ def test_compiled_decode_gives_the_same_tokens_as_eager(monkeypatch, dtype, logp
     assert list(eng_c.runner.compile_s) == [(2, 16)] and eng_c.runner.compile_s[(2, 16)] > 0
     paid = [r for r in eng_c.step_history if r.compile_ms]
     assert len(paid) == 1 and paid[0].bucket == (2, 16) and paid[0].to_dict()["compile_ms"] > 0
+
+
+def test_one_row_compiled_as_a_reduction_gives_eagers_tokens(monkeypatch):
+    """Where the machine timed one row faster as a sum Inductor fuses than through the chosen kernel,
+    a compiled 1-row decode reads the weights that way (the eager steps keep the kernel); the tokens and
+    logprobs are eager's."""
+    from minillm.engine.tokenizer import load_tokenizer
+    model = _tiny_model("fp32", seed=3)
+    measured_choice(monkeypatch, model, faster_than_inductor=True, reduction_faster=True)
+    tok = load_tokenizer(None)
+    prompts = [[5, 17, 300, 42, 9]]                                   # one row: the 1-row bucket
+    eager, _ = _generate(model, tok, prompts, compile=False)
+    reducing = lambda: sum(getattr(m, "plain", None) is not None for m in model.modules())   # noqa: E731
+    assert reducing() == 0                                            # eager holds the kernel's layout only
+    compiled, eng_c = _generate(model, tok, prompts, compile=True)
+    assert reducing() == _packed_linears(model) > 0
+    assert list(eng_c.runner.compile_s) == [(1, 16)]
+    assert [o.token_ids for o in compiled] == [o.token_ids for o in eager]
+    for a, b in zip(eager, compiled):
+        for la, lb in zip(a.logprobs, b.logprobs):
+            assert la.token_id == lb.token_id and abs(la.logprob - lb.logprob) <= 1e-4
 
 
 def test_compile_refused_with_the_reason_when_unavailable(monkeypatch):

@@ -303,6 +303,43 @@ def test_mkls_packing_is_timed_beside_the_candidates_in_fp32_only():
     assert f"{matmul.INDUCTOR_FP32} (compiled)" in ch.table()
 
 
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="no MKL in this torch build")
+def test_one_row_as_a_reduction_is_timed_in_turn_with_the_chosen_kernel_only_when_asked():
+    from minillm.engine.compiled import compile_unavailable
+    if compile_unavailable("cpu") is not None:
+        pytest.skip("torch.compile is unavailable here")
+    sc = matmul.choose_for_shape(96, 64, True, torch.float32, (1, 2), repeats=1, stack_bytes=1)
+    assert sc.reduction_ms is None and not sc.reduces_one_row()       # a choice alone compiles nothing
+    matmul.time_one_row_reduction(sc, torch.float32, repeats=1, stack_bytes=1)
+    assert sc.reduction_ms > 0 and sc.reduction_beside_ms > 0 and matmul.ONE_ROW_REDUCTION not in sc.rejected
+    sc.reduction_ms, sc.reduction_beside_ms = 1.0, 2.0
+    assert sc.reduces_one_row()
+    sc.reduction_ms = 3.0
+    assert not sc.reduces_one_row()
+    ch = matmul.MatmulChoice("t", "m", "v", 2, "float32", [1, 2], [sc])
+    assert "reduction (compiled)" in ch.table()
+
+
+def test_a_packed_linear_reads_one_row_as_a_reduction_only_when_compiled(monkeypatch):
+    from minillm.engine import matmul_kernels
+    from minillm.engine.compiled import compile_unavailable
+    if compile_unavailable("cpu") is not None:
+        pytest.skip("torch.compile is unavailable here")
+    lin = torch.nn.Linear(64, 96, bias=True)
+    name = "onednn-packed" if matmul._onednn_ok(torch.float32) else "aten-kmajor"
+    pl = matmul.PackedLinear(lin, name)
+    pl.reduce_one_row_when_compiled()
+    x = torch.randn(1, 64)
+    want = F.linear(x, lin.weight, lin.bias)
+    traced = []
+    real = matmul_kernels.one_row_reduction
+    monkeypatch.setattr(matmul_kernels, "one_row_reduction", lambda *a: traced.append(1) or real(*a))
+    with torch.inference_mode():
+        assert torch.allclose(pl(x), want, atol=1e-5) and not traced       # eager: the held kernel
+        got = torch.compile(pl, dynamic=False)(x)
+    assert traced and torch.allclose(got, want, atol=1e-5)               # compiled: the reduction
+
+
 def test_a_compiled_bf16_decode_measures_nothing_and_stays_plain(monkeypatch):
     def never(*a, **k):
         raise AssertionError("a compiled bf16 decode has no choice to make")

@@ -159,6 +159,17 @@ def compiling(device: torch.device | str, dtype: torch.dtype, rows: int):
     return torch._inductor.config.patch(inductor_options(device, dtype, rows))
 
 
+def raise_recompile_limit(graphs: int) -> None:
+    """Let TorchDynamo keep at least ``graphs`` graphs of one function (past its limit it silently
+    runs the function eagerly)."""
+    import torch._dynamo
+    cfg = torch._dynamo.config
+    if hasattr(cfg, "recompile_limit"):
+        cfg.recompile_limit = max(cfg.recompile_limit, graphs)
+    else:                                     # older torch: the same setting's old name
+        cfg.cache_size_limit = max(cfg.cache_size_limit, graphs)
+
+
 def compile_step(fn: Callable, max_buckets: int) -> Callable:
     """``torch.compile(fn)`` with static shapes, except what the runner marks dynamic (the K/V
     length on a CPU): one graph per decode bucket. TorchDynamo keeps at most ``recompile_limit``
@@ -170,11 +181,6 @@ def compile_step(fn: Callable, max_buckets: int) -> Callable:
     step on ``cpu-small``); the model is never modified once an engine runs, so those guards are
     dropped (``skip_guard_on_all_nn_modules_unsafe``, 0.08 ms). Guards on the step's own inputs,
     the bucket's buffers and the cache, stay."""
-    import torch._dynamo
-    cfg = torch._dynamo.config
-    if hasattr(cfg, "recompile_limit"):
-        cfg.recompile_limit = max(cfg.recompile_limit, max_buckets)
-    else:                                     # older torch: the same setting's old name
-        cfg.cache_size_limit = max(cfg.cache_size_limit, max_buckets)
+    raise_recompile_limit(max_buckets)
     return torch.compile(fn, dynamic=False,
                          options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})

@@ -18,6 +18,20 @@ PAD_ROWS = 4                            # onednn-packed-pad4 pads fewer rows to 
 INDUCTOR_FP32 = "mkl-packed"
 
 
+# One decode row written as a product and a sum over the input features, for Inductor to generate as
+# one streaming loop over the weight (compiled only: in eager the product [1, N, K] would be written
+# out and read back, three times the bytes). Timed per shape beside the chosen kernel (matmul.py).
+ONE_ROW_REDUCTION = "reduction (compiled, 1 row)"
+
+
+def one_row_reduction(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] of one row, w [N, K] → [..., N], as Σ_k x_k·w_nk: what a compiled graph fuses."""
+    y = (x.reshape(1, 1, -1) * w).sum(-1)                              # [1, N]
+    if b is not None:
+        y = y + b
+    return y.view(*x.shape[:-1], -1)
+
+
 @dataclass(frozen=True)
 class Candidate:
     name: str
@@ -107,6 +121,14 @@ class PackedLinear(nn.Module):
         routes = sorted((int(r), CANDIDATES[n].forward) for r, n in (by_rows or {}).items())
         self._by_n = [next((f for r, f in routes if r >= n), routes[-1][1]) for n in range(routes[-1][0] + 1)
                       ] if routes else []
+        self.register_buffer("plain", None, persistent=False)   # see reduce_one_row_when_compiled
+
+    def reduce_one_row_when_compiled(self) -> None:
+        """Also hold the weight plain, for a compiled graph of one row to read it through
+        :func:`one_row_reduction` (where the machine measured that faster than the held layout's
+        kernel: matmul.prepare). Eager steps keep the held kernel. Costs a second copy of the weight."""
+        with torch.no_grad():
+            self.register_buffer("plain", self.weight.detach().contiguous().clone(), persistent=False)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -114,6 +136,8 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.numel() // self.in_features                              # rows this step
+        if n == 1 and self.plain is not None and torch.compiler.is_compiling():
+            return one_row_reduction(x, self.plain, self.bias)         # [..., N], fused by Inductor
         fwd = self._by_n[n] if n < len(self._by_n) else self._by_n[-1] if self._by_n else self._forward
         return fwd(x, self.held, self.bias)                            # [..., K] → [..., N]
 
