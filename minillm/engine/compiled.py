@@ -61,7 +61,11 @@ Inductor's settings on a CPU (``inductor_options``) were chosen by measurement: 
   compiled step took 23.1 ms at 1 row and 54.9 at 8, slower than eager with the chosen kernels. So
   the runner keeps the decode matmuls chosen on the machine (``engine.matmul``) frozen as they are
   wherever they ran a step's matmuls faster than MKL's packing, timed beside them
-  (``matmul.prepare``): there 16.6 and 20.0 ms.
+  (``matmul.prepare``): there 16.6 and 20.0 ms. In the graph of one row each weight is then read
+  as a product and a sum over the input features (``matmul_kernels.one_row_reduction``), which
+  Inductor generates as one streaming loop, where the machine timed that faster than the chosen
+  kernel for the shape (``matmul.reduce_one_row``): on the AMD VM 9.1–11.9 ms a step against
+  13.7–17.0 (``cpu-small``, 128 cached tokens, median of 60, the same tokens as eager).
 - fp32 without Inductor's C++ tiling heuristics (``cpp.enable_tiling_heuristics``). The fp32 decode
   attention's reductions (``attention.decode_attention_by_reduction``) made code generation 6 s
   longer per bucket: the scheduler's codegen took 10.2 s at 8 rows against 4.0 with the attention
