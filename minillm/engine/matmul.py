@@ -52,13 +52,11 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from minillm.core.result import Result
@@ -73,16 +71,21 @@ from minillm.engine.matmul_kernels import (  # noqa: F401  (_onednn_ok: the test
     inductor_packing_timed,
     one_row_reduction,
 )
+from minillm.engine.matmul_timing import (  # noqa: F401  (choose_decode_attention: the tests call it here)
+    STACK_BYTES,
+    choose_decode_attention,
+    compiled_one_row_reduction,
+    disagreement,
+    pass_ms,
+    tolerance,
+    weight_stack,
+)
 from minillm.hardware.quiet import busy_now
 
 log = logging.getLogger("minillm.engine")
 
 DECODE_ROWS = (1, 2, 4, 8, 16, 32, 64)  # the decode buckets the choice is timed at
-ATTENTION_CONTEXT = 256                 # cached tokens per row when timing decode attention
 PREFILL_ROWS = 256                      # one prefill-sized bucket: the packed weight serves prefill too
-# copies of a weight timed in turn: twice the 32 MiB cache of the VM it was tuned on
-STACK_BYTES = 64 * 2**20
-MAX_COPIES = 64
 
 
 # ---------------------------------------------------------------------------------------------
@@ -277,25 +280,13 @@ def cache_path(key: str) -> Path:
     return cache_dir() / f"{key}.json"
 
 
-def _pass_ms(forward: Callable, held: list, x: torch.Tensor, bias) -> float:
-    """ms per weight over one pass through the stack of copies."""
-    t0 = time.perf_counter()
-    for h in held:
-        forward(x, h, bias)
-    return (time.perf_counter() - t0) * 1e3 / len(held)
-
-
-def _tolerance(dtype: torch.dtype) -> tuple[float, float]:
-    return (2e-2, 2e-2) if dtype in (torch.bfloat16, torch.float16) else (1e-4, 1e-4)
-
-
 def choose_for_shape(out_features: int, in_features: int, bias: bool, dtype: torch.dtype,
                      rows: tuple[int, ...], repeats: int = 3, stack_bytes: int = STACK_BYTES,
                      candidates: tuple[str, ...] | None = None) -> ShapeChoice:
     """Time each available candidate for one weight shape at each row count; keep the fastest correct."""
     g = torch.Generator().manual_seed(0)
-    weights, b, probe, want = _weight_stack(out_features, in_features, bias, dtype, stack_bytes, g)
-    rtol, atol = _tolerance(dtype)
+    weights, b, probe, want = weight_stack(out_features, in_features, bias, dtype, stack_bytes, g)
+    rtol, atol = tolerance(dtype)
     sc = ShapeChoice(out_features, in_features, bias, "aten")
     ready: dict[str, list[torch.Tensor]] = {}
     for name in candidates or tuple(CANDIDATES):
@@ -323,7 +314,7 @@ def choose_for_shape(out_features: int, in_features: int, bias: bool, dtype: tor
         samples: dict[str, list[float]] = {name: [] for name in timed}
         for i in range(repeats + 1):
             for name, (forward, held) in timed.items():
-                ms = _pass_ms(forward, held, x, b)
+                ms = pass_ms(forward, held, x, b)
                 if i:                      # the first pass warms up
                     samples[name].append(ms)
         for name, xs in samples.items():
@@ -342,28 +333,11 @@ def _inductor_packing_agrees(w: torch.Tensor, probe: torch.Tensor, b: torch.Tens
                              want: torch.Tensor, sc: ShapeChoice) -> bool:
     """MKL's packed sgemm gives F.linear's result here (else it is recorded as rejected, not timed)."""
     n = probe.shape[0]
-    try:
-        got = _mkl_packed(n)(probe, (torch.ops.mkl._mkl_reorder_linear_weight(w, n), w), b).float()
-    except RuntimeError as e:
-        sc.rejected[INDUCTOR_FP32] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
-        return False
-    if not torch.allclose(got, want, rtol=1e-4, atol=1e-4):
-        sc.rejected[INDUCTOR_FP32] = f"differs from F.linear by {(got - want).abs().max().item():.3g}"
-        return False
-    return True
-
-
-def _weight_stack(out_features: int, in_features: int, bias: bool, dtype: torch.dtype, stack_bytes: int,
-                  g: torch.Generator):
-    """Copies of one weight shape (together past the CPU's cache, so each pass reads memory), a bias, a
-    probe of 3 rows and F.linear's answer for it."""
-    w_bytes = out_features * in_features * torch.empty((), dtype=dtype).element_size()
-    copies = max(1, min(MAX_COPIES, -(-stack_bytes // w_bytes)))
-    weights = [torch.randn(out_features, in_features, generator=g).div_(in_features ** 0.5).to(dtype)
-               for _ in range(copies)]
-    b = torch.randn(out_features, generator=g).to(dtype) if bias else None
-    probe = torch.randn(3, in_features, generator=g).to(dtype)
-    return weights, b, probe, F.linear(probe, weights[0], b).float()
+    why = disagreement(lambda: _mkl_packed(n)(probe, (torch.ops.mkl._mkl_reorder_linear_weight(w, n), w), b),
+                       want)
+    if why:
+        sc.rejected[INDUCTOR_FP32] = why
+    return why is None
 
 
 def time_one_row_reduction(sc: ShapeChoice, dtype: torch.dtype, repeats: int = 3,
@@ -371,43 +345,23 @@ def time_one_row_reduction(sc: ShapeChoice, dtype: torch.dtype, repeats: int = 3
     """Time :data:`ONE_ROW_REDUCTION` compiled for this shape at 1 row, in turn with the kernel the choice
     runs there (``sc.reduction_ms``, ``sc.reduction_beside_ms``). Only a compiled decode can use it, so
     it is timed when one is built (``reduce_one_row``), not by every choice: each shape is a compile."""
-    weights, b, probe, want = _weight_stack(sc.out_features, sc.in_features, sc.bias, dtype, stack_bytes,
-                                            torch.Generator().manual_seed(1))
-    fn = _compiled_one_row_reduction(weights[0], probe, b, want, sc)
+    weights, b, probe, want = weight_stack(sc.out_features, sc.in_features, sc.bias, dtype, stack_bytes,
+                                           torch.Generator().manual_seed(1))
+    fn, why = compiled_one_row_reduction(weights[0], probe, b, want)
+    if why:
+        sc.rejected[ONE_ROW_REDUCTION] = why
     if fn is None or "1" not in sc.by_rows:
         return
     kernel = CANDIDATES[sc.by_rows["1"]]
     held = [kernel.prepare(w) for w in weights]
     samples: dict[str, list[float]] = {"reduction": [], "kernel": []}
     for i in range(repeats + 1):            # in turn; the first pass warms up
-        red, ker = _pass_ms(fn, weights, probe[:1], b), _pass_ms(kernel.forward, held, probe[:1], b)
+        red, ker = pass_ms(fn, weights, probe[:1], b), pass_ms(kernel.forward, held, probe[:1], b)
         if i:
             samples["reduction"].append(red)
             samples["kernel"].append(ker)
     sc.reduction_ms = statistics.median(samples["reduction"])
     sc.reduction_beside_ms = statistics.median(samples["kernel"])
-
-
-def _compiled_one_row_reduction(w: torch.Tensor, probe: torch.Tensor, b: torch.Tensor | None,
-                                want: torch.Tensor, sc: ShapeChoice) -> Callable | None:
-    """``one_row_reduction`` compiled for this shape (the weight an input, as each copy of the stack is),
-    if torch.compile runs here and it gives F.linear's result; else None, and why in ``sc.rejected``."""
-    from minillm.engine.compiled import compile_unavailable, raise_recompile_limit
-    why = compile_unavailable("cpu")
-    if why is not None:
-        sc.rejected[ONE_ROW_REDUCTION] = why
-        return None
-    raise_recompile_limit(64)              # one graph per weight shape, and a model has a handful
-    fn = torch.compile(one_row_reduction, dynamic=False)
-    try:
-        got = fn(probe[:1], w, b).float()
-    except Exception as e:                 # a compiler failure: not a choice
-        sc.rejected[ONE_ROW_REDUCTION] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
-        return None
-    if not torch.allclose(got, want[:1], rtol=1e-4, atol=1e-4):
-        sc.rejected[ONE_ROW_REDUCTION] = f"differs from F.linear by {(got - want[:1]).abs().max().item():.3g}"
-        return None
-    return fn
 
 
 def route(ms: dict[str, dict[str, float]]) -> tuple[str, dict[str, str]]:
@@ -428,40 +382,6 @@ def route(ms: dict[str, dict[str, float]]) -> tuple[str, dict[str, str]]:
     in_layout = set(by_rows.values())
     chosen = min(in_layout, key=lambda n: math.prod(ms[n][k] / best[k] for k in best))
     return chosen, by_rows
-
-
-def choose_decode_attention(heads: tuple[int, int, int], dtype: torch.dtype, rows: tuple[int, ...],
-                            context: int = ATTENTION_CONTEXT, repeats: int = 5) -> tuple[str, dict]:
-    """For a bf16/fp16 model: decode attention in the model's dtype, or upcast to fp32 around it.
-    Measured on the project's VM (AMD EPYC, torch 2.13.0+cpu, 2 threads), 12 heads over 4 K/V heads
-    of 64, 128 cached tokens: torch's CPU attention kernel took 101 µs at 1 row and 406 µs at 4 in
-    bf16, but 58 and 159 µs with q, K and V cast to fp32 first, so in bf16 it, not the weights, made
-    a step grow with the batch. Returns (the faster way that agrees with fp32, {way: {rows: µs}})."""
-    from minillm.engine.attention import decode_attention
-    H, KVH, D = heads
-    g = torch.Generator().manual_seed(0)
-    ways = {"native": lambda q, k, v, m: decode_attention(q, k, v, m),
-            "fp32": lambda q, k, v, m: decode_attention(q.float(), k.float(), v.float(), m).to(dtype)}
-    us: dict[str, dict[str, float]] = {w: {} for w in ways}
-    rtol, atol = _tolerance(dtype)
-    for r in rows:
-        q = torch.randn(r, H, D, generator=g).to(dtype)
-        k, v = (torch.randn(r, context, KVH, D, generator=g).to(dtype) for _ in range(2))
-        mask = torch.ones(r, 1, 1, context, dtype=torch.bool)
-        want = ways["fp32"](q, k, v, mask).float()
-        if not torch.allclose(ways["native"](q, k, v, mask).float(), want, rtol=rtol, atol=atol):
-            return "fp32", {}
-        samples: dict[str, list[float]] = {w: [] for w in ways}
-        for i in range(repeats + 1):
-            for w, fn in ways.items():
-                t0 = time.perf_counter()
-                fn(q, k, v, mask)
-                if i:
-                    samples[w].append((time.perf_counter() - t0) * 1e6)
-        for w in ways:
-            us[w][str(r)] = statistics.median(samples[w])
-    score = {w: math.prod(us[w][str(r)] / min(us[x][str(r)] for x in ways) for r in rows) for w in ways}
-    return min(score, key=score.get), us
 
 
 def choose(model: nn.Module, rows: tuple[int, ...] | None = None, use_cache: bool = True,
