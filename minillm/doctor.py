@@ -126,10 +126,36 @@ def check_bandwidth(measure: bool = True) -> list[Check]:
         by_size = hw.read_bandwidth_by_size(dev)
     except Exception as e:
         return checks + [Check("read bandwidth by buffer", "--", f"not measured ({type(e).__name__}: {e})")]
-    return checks + [Check("read bandwidth by buffer", "OK",
-                           ", ".join(f"{n / 2**20:.0f} MiB: {v / 1e9:.1f} GB/s" for n, v in by_size)
-                           + " (the decode bound reads one step's bytes, "
-                             "at least twice the last-level cache)")]
+    checks.append(Check("read bandwidth by buffer", "OK",
+                        ", ".join(f"{n / 2**20:.0f} MiB: {v / 1e9:.1f} GB/s" for n, v in by_size)
+                        + " (the decode bound reads one step's bytes, at least twice the last-level cache)"))
+    return checks + check_read_drift(dev, rd.params["bytes"])
+
+
+def check_read_drift(dev, nbytes: int, samples: int = 8, every_s: float = 0.25) -> list[Check]:
+    """The same read, sampled ``samples`` times ``every_s`` apart: does this machine's memory keep
+    one speed? A VM shares it with other machines (hardware/read_probe.py: 25–51 GB/s on the
+    project's AMD EPYC VM, moving over seconds to minutes), and then every % of a bound moves too."""
+    import time
+
+    from minillm.hardware.read_probe import ReadProbe
+    probe = ReadProbe(dev, nbytes)
+    if not probe.active:
+        return []
+    for i in range(samples):
+        if i:
+            time.sleep(every_s)
+        probe.sample()
+    probe.close()
+    drift = probe.drift()
+    seen = (f"{drift.low / 1e9:.1f}–{drift.high / 1e9:.1f} GB/s (×{drift.ratio:.2f}) over {samples} reads "
+            f"in {samples * every_s:.0f} s")
+    if drift.moved:
+        return [Check("read speed over time", "--",
+                      f"{seen}: it moved, so will every % of a bound measured now; "
+                      "`roofline` and `bench` sample it around each measurement")]
+    return [Check("read speed over time", "OK", f"{seen}: steady for now (`roofline` and `bench` sample it "
+                                                "around each measurement, in case it moves later)")]
 
 
 def check_cpu_bf16() -> list[Check]:

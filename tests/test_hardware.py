@@ -128,7 +128,8 @@ def test_doctor_shows_read_and_copy_bandwidth(monkeypatch):
     monkeypatch.setattr(hw, "read_bandwidth_by_size",
                         lambda dev, sizes=(8 * 2**20, 16 * 2**20, 64 * 2**20), repeats=1:
                         [(n, v) for n, v in [(8 * 2**20, 3e10), (16 * 2**20, 2.5e10)]])
-    c, by_size = doctor.check_bandwidth()
+    c, by_size, drift = doctor.check_bandwidth()
+    assert drift.name == "read speed over time" and "over 8 reads" in drift.detail
     assert c.status == "OK" and "read " in c.detail and "copy " in c.detail and "bytes read" in c.detail
     assert by_size.status == "OK" and "8 MiB: 30.0 GB/s, 16 MiB: 25.0 GB/s" in by_size.detail
 

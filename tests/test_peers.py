@@ -41,6 +41,9 @@ def test_without_llama_cpp_the_peer_is_unavailable_not_an_error(monkeypatch):
     assert "same tokens" in text and "4/4" in text
     assert f"over one step's {rep.bytes_per_step / 1e6:.0f} MB" in text
     assert "garbage collected before every timed decode" in text and f"transformers {hf.gc_ms:.1f} ms" in text
+    # the bound's buffer read again before each round: two samples, named beside the table
+    assert len(rep.read_drift["samples"]) == 2 and rep.read_drift["bound"] == rep.read_bw
+    assert "memory read speed" in text and "over 2 samples" in text
 
 
 def test_leading_agreement_counts_until_the_first_difference():

@@ -55,6 +55,8 @@ def test_the_table_shows_each_grid_and_names_what_did_not_run(report):
         assert heading in text
     assert "n/a" in text and "minillm ÷ transformers at B = 1, 2:" in text
     assert "llama.cpp: unavailable: llama-batched-bench not found" in text
+    # the bound's buffer read again before each batch of each round: 2 rounds × 2 batches
+    assert len(report.read_drift["samples"]) == 4 and "over 4 samples" in text
 
 
 def test_the_report_round_trips_through_json(report):

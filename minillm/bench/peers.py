@@ -41,6 +41,7 @@ from minillm.hardware.machine import (
     measure_read_bandwidth,
     measure_step_read_bandwidth,
 )
+from minillm.hardware.read_probe import ReadProbe, drift_line
 from minillm.perf.roofline import decode_step_bytes
 
 
@@ -91,6 +92,7 @@ class PeerReport(PeerRun):
     threads: int
     peers: list[PeerResult]
     step_read_bw: float = 0.0                    # over a buffer of bytes_per_step, re-read (0: not measured)
+    read_drift: dict = field(default_factory=dict)  # the read speed sampled before every round (read_probe)
 
     def get(self, name: str) -> PeerResult:
         return next(p for p in self.peers if p.name == name)
@@ -111,6 +113,8 @@ class PeerReport(PeerRun):
         for p in self.peers:
             if p.note and p.status == "ok":
                 lines.append(f"  {p.name}: {p.note}")
+        if self.read_drift.get("samples"):
+            lines.append(drift_line(self.read_drift))
         timed = [p for p in self.peers if p.status == "ok"]
         if timed:
             lines.append("garbage collected before every timed decode; inside them, over all rounds: "
@@ -466,6 +470,7 @@ def run_peers(model: str = "cpu-small", device: str | None = None, dtype: str | 
     step_read = measure_step_read_bandwidth(dev, bytes_step)
     copy_bw = measure_copy_bandwidth(dev, nbytes=copy_bytes).value
     threads = torch.get_num_threads()
+    probe = ReadProbe(dev, read_nbytes)      # read again before each round: the bound can move (10.6)
 
     candidates: list[_Engine] = []
     for name in engines:
@@ -496,6 +501,7 @@ def run_peers(model: str = "cpu-small", device: str | None = None, dtype: str | 
     try:
         for r in range(rounds):
             order = live[r % len(live):] + live[:r % len(live)] if live else []
+            probe.sample()
             for e in order:
                 res = results[e.name]
                 if res.status != "ok":
@@ -518,6 +524,7 @@ def run_peers(model: str = "cpu-small", device: str | None = None, dtype: str | 
             results[e.name].note = e.note
             results[e.name].tokens = list(e.tokens)
             e.close()
+        probe.close()
     peers = [_finish(results[e.name], bytes_step, read_bw) for e in candidates]
     reference = results["minillm"].tokens if "minillm" in results else []
     for p in peers:
@@ -525,4 +532,5 @@ def run_peers(model: str = "cpu-small", device: str | None = None, dtype: str | 
             p.same_tokens = leading_agreement(reference, p.tokens)
     return PeerReport(str(model), str(dev), dtype_name(dt), prompt_tokens, new_tokens, rounds, read_bw,
                       copy_bw,
-                      bytes_step, threads, peers, step_read.value if step_read else 0.0)
+                      bytes_step, threads, peers, step_read.value if step_read else 0.0,
+                      probe.drift(read_bw).to_dict() if probe.samples else {})

@@ -44,6 +44,7 @@ from minillm.bench.peers import PeerRun, PeerUnavailable, TransformersEngine, wr
 from minillm.core.device import dtype_bytes, dtype_name, synchronize
 from minillm.core.result import Col, text_table
 from minillm.hardware.machine import decode_read_bytes, measure_read_bandwidth
+from minillm.hardware.read_probe import ReadProbe, drift_line
 from minillm.perf.roofline import decode_step_bytes
 
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64)
@@ -72,6 +73,7 @@ class BatchPeerReport(PeerRun):
     bytes_per_step: dict[str, int]              # batch (as a string: JSON keys) → bytes one step reads
     rows: list[BatchPeerRow]
     notes: dict[str, str] = field(default_factory=dict)
+    read_drift: dict = field(default_factory=dict)  # the read speed sampled before every batch of every round
     row_type = BatchPeerRow
 
     def get(self, engine: str, batch: int) -> BatchPeerRow | None:
@@ -129,6 +131,8 @@ class BatchPeerReport(PeerRun):
                 lines.append(f"{m} ÷ {e} at B = {', '.join(map(str, self.batches))}: {', '.join(ratios)}")
         for e, note in self.notes.items():
             lines.append(f"  {e}: {note}")
+        if self.read_drift.get("samples"):
+            lines.append(drift_line(self.read_drift))
         for e in self.engines():
             down = next((r.status for r in self.rows if r.engine == e and r.status != "ok"), None)
             if down:
@@ -419,7 +423,9 @@ def run_batch_peers(model: str = "cpu-small", device: str | None = None, dtype: 
     prompts = torch.randint(1, cfg.vocab_size, (max(batches), prompt_tokens), generator=g).tolist()
     mean_context = prompt_tokens + new_tokens // 2
     step_bytes = {str(b): decode_step_bytes(cfg, dtype_bytes(dt), b, mean_context) for b in batches}
-    read_bw = measure_read_bandwidth(dev, nbytes=decode_read_bytes(dev, step_bytes[str(batches[0])])).value
+    read_nbytes = decode_read_bytes(dev, step_bytes[str(batches[0])])
+    read_bw = measure_read_bandwidth(dev, nbytes=read_nbytes).value
+    probe = ReadProbe(dev, read_nbytes)      # read again before each batch: the bound can move (10.6)
     threads = torch.get_num_threads()
 
     made = {"minillm": lambda: MinillmBatch(llm),
@@ -452,6 +458,7 @@ def run_batch_peers(model: str = "cpu-small", device: str | None = None, dtype: 
         for r in range(rounds):
             order = live[r % len(live):] + live[:r % len(live)] if live else []
             for b in batches:
+                probe.sample()
                 for e in order:
                     row = rows[(e.name, b)]
                     if row.status != "ok":
@@ -468,7 +475,9 @@ def run_batch_peers(model: str = "cpu-small", device: str | None = None, dtype: 
         notes = {e.name: e.note for e in candidates if e.note}
         for e in candidates:
             e.close()
+        probe.close()
     report_rows = [_finish(rows[(e.name, b)], b * read_bw / step_bytes[str(b)])
                    for e in candidates for b in batches]
     return BatchPeerReport(str(model), str(dev), dtype_name(dt), prompt_tokens, new_tokens, rounds, threads,
-                           read_bw, batches, step_bytes, report_rows, notes)
+                           read_bw, batches, step_bytes, report_rows, notes,
+                           probe.drift(read_bw).to_dict() if probe.samples else {})

@@ -47,6 +47,7 @@ from minillm.hardware.machine import (
 )
 from minillm.hardware.provenance import RunProvenance
 from minillm.hardware.quiet import NOISY_SPREAD as _NOISY_SPREAD
+from minillm.hardware.read_probe import ReadProbe
 
 DEFAULT_BATCHES = [1, 2, 4, 8, 16, 32, 48, 64]
 NOISY_SPREAD = _NOISY_SPREAD   # p90 / p10 of a row's repeats above which it is flagged (busy.py)
@@ -336,7 +337,8 @@ def run_sweep(model: str | None = None, device: str | None = None, dtype: str | 
     if measure_ceilings:
         # the one decode bound of every command: a read over one step's bytes (hardware.decode_read_bytes)
         step1 = rf.decode_step_bytes(cfg, nbytes, 1, context)
-        rd_m = measure_read_bandwidth(dev, nbytes=read_bytes or copy_bytes or decode_read_bytes(dev, step1))
+        read_nbytes = read_bytes or copy_bytes or decode_read_bytes(dev, step1)
+        rd_m = measure_read_bandwidth(dev, nbytes=read_nbytes)
         cp_m = measure_copy_bandwidth(dev, nbytes=copy_bytes)
         pk_m = measure_matmul_peak(dev, dt, n=matmul_n)
         bw, peak = rd_m.value, pk_m.value            # decode reads its weights: the read bandwidth
@@ -362,6 +364,8 @@ def run_sweep(model: str | None = None, device: str | None = None, dtype: str | 
                       else "" if choice or path == "compiled" else f" (no choice on {dev.type})")}
     if choice is not None and progress:
         print(choice.summary(), file=sys.stderr)
+    # the bound's buffer, read again around every row: the memory's speed can move under a run (10.6)
+    probe = ReadProbe(dev, read_nbytes) if measure_ceilings else None
     if partial_path is not None:               # this run's rows only
         Path(partial_path).parent.mkdir(parents=True, exist_ok=True)
         Path(partial_path).write_text("")
@@ -373,7 +377,10 @@ def run_sweep(model: str | None = None, device: str | None = None, dtype: str | 
                                compile=compiled,
                                enforce_eager=path == "plain" or (not cuda_graphs and dev.type == "cuda"),
                                max_model_len=context + context // 2 + warmup + 3 * steps + 8)
+            before = probe.sample() if probe is not None else None
             r = measure_batch(engine, b, context, warmup, steps, cuda_graphs, served)
+            after = probe.sample() if probe is not None else None
+            r.read_bw_now = [v for v in (before, after) if v is not None]
             if not r.path:                # measure_batch names the compiled path itself
                 r.path = "packed" if path == "fastest" else path
             _fill_derived(r, cfg, nbytes, bw, peak)
@@ -398,6 +405,9 @@ def run_sweep(model: str | None = None, device: str | None = None, dtype: str | 
     if path == "fastest":
         matmul["compiled_up_to"] = max((r.batch for r in results if r.alternatives.get("compiled")),
                                        default=None)
+    read_drift = probe.drift(bw).to_dict() if probe is not None and probe.samples else {}
+    if probe is not None:
+        probe.close()
     ok = [r for r in results if r.status == "ok"]
     fit = rf.knee_fit([r.batch for r in ok], [r.forward_ms_median for r in ok])
     knee = fit.knee
@@ -411,6 +421,6 @@ def run_sweep(model: str | None = None, device: str | None = None, dtype: str | 
         predicted_crossover_kv=rf.crossover_batch(cfg, nbytes, bw, peak, context),
         measured_knee=knee, batches=results,
         started=time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t_start)),
-        duration_s=time.time() - t_start, knee_note=fit.reason, matmul=matmul)
+        duration_s=time.time() - t_start, knee_note=fit.reason, matmul=matmul, read_drift=read_drift)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from minillm.core.device import free_memory_bytes
 from minillm.core.result import dumps_strict, restore_nonfinite
 from minillm.hardware.provenance import RunProvenance
 from minillm.hardware.quiet import NOISY_SPREAD, too_wide
+from minillm.hardware.read_probe import DRIFT, drift_line
 from minillm.model.config import PRESETS
 
 DEFAULT_BATCHES = [1, 2, 4, 8, 16, 32, 48, 64]
@@ -125,6 +127,8 @@ class BatchResult:
     path: str = ""                            # "plain" | "packed" | "compiled" (bench/sweep.resolve_path)
     compile_s: float | None = None            # the compiled path's first step (compile + run), never timed
     alternatives: dict = field(default_factory=dict)   # path "fastest": each path's timings at this batch
+    read_bw_now: list[float] = field(default_factory=list)  # B/s, the memory's read speed sampled just
+    #                                         before and after this row (hardware/read_probe.py)
 
     def timings(self) -> dict:
         """This row's medians, as ``alternatives`` keeps them for each path tried."""
@@ -149,6 +153,7 @@ class SweepResult(RunProvenance):
     duration_s: float = 0.0
     knee_note: str = ""                       # what the knee fit found, or why there is no knee
     matmul: dict = field(default_factory=dict)  # the path that ran: mode, each shape's candidate, choice time
+    read_drift: dict = field(default_factory=dict)  # the read speed sampled through the run (ReadDrift)
 
     def path_line(self) -> str:
         return rf.path_line(self.matmul, self.cuda_graphs,
@@ -196,6 +201,7 @@ class SweepResult(RunProvenance):
             flag = " *" if too_wide(b.forward_ms_p10, b.forward_ms_p90) else ""
             if flag:
                 noisy.append(b.batch)
+            flag += " †" if read_moved(b.read_bw_now, self.ceilings) else ""
             served = f"{b.served_ms_median:>10.2f}" if b.served_ms_median else f"{'-':>10}"
             rows.append(f"{b.batch:>5} {b.forward_ms_median:>9.2f} {b.engine_ms_median:>10.2f} {served} "
                         f"{b.per_request_tok_s:>10.1f} {b.aggregate_tok_s:>10.1f} "
@@ -205,12 +211,39 @@ class SweepResult(RunProvenance):
             rows.append(f"* noisy: p90/p10 of the step time > {NOISY_SPREAD} at batch "
                         f"{', '.join(map(str, noisy))}; something else was using the machine, rerun before "
                         "trusting these rows")
+        moved = [b.batch for b in self.batches
+                 if b.status == "ok" and read_moved(b.read_bw_now, self.ceilings)]
+        if self.read_drift.get("samples"):
+            rows.append(drift_line(self.read_drift))
+        if moved:
+            rows.append(f"† the memory read {self._now_words(moved)} during batch "
+                        f"{', '.join(map(str, moved))}: those rows' % of bound and MBU are off by that much")
         knee = "none" if self.measured_knee is None else f"{self.measured_knee:.1f}"
         rows.append(f"predicted crossover B* = {self.predicted_crossover:.1f} (KV-aware at L={self.context}: "
                     f"{self.predicted_crossover_kv:.1f}); measured knee: {knee}")
         if self.knee_note:
             rows.append(f"  {self.knee_note}")
         return "\n".join(rows)
+
+    def _now_words(self, batches: list[int]) -> str:
+        now = [statistics.median(b.read_bw_now) for b in self.batches if b.batch in batches]
+        bound = self.ceilings.get("bandwidth") or 0
+        if not now:
+            return "at another speed than the bound's"
+        speed = (f"{min(now) / 1e9:.1f}" if f"{min(now) / 1e9:.1f}" == f"{max(now) / 1e9:.1f}"
+                 else f"{min(now) / 1e9:.1f}–{max(now) / 1e9:.1f}")
+        return f"at {speed} GB/s, not the bound's {bound / 1e9:.1f},"
+
+
+
+def read_moved(samples: list[float], ceilings: dict) -> bool:
+    """Whether the memory read more than ×DRIFT faster or slower around a row than when the bound was
+    measured (only for a measured read bound: a spec sheet's is not comparable)."""
+    bound = ceilings.get("bandwidth") if ceilings.get("bandwidth_kind") == "read" else None
+    if not samples or not bound:
+        return False
+    now = statistics.median(samples)
+    return max(now, bound) / min(now, bound) > DRIFT
 
 
 def load_result(path: str | Path) -> dict:
@@ -298,6 +331,9 @@ def describe_run(result: dict, tol: float = 0.10) -> list[str]:
         where = "inside" if ok[0]["batch"] <= bstar <= last["batch"] else "outside"
         out.append(f"Predicted crossover B* = {bstar:.1f} (from the measured ceilings), {where} the measured "
                    f"batches {b1['batch']}–{last['batch']}.")
+    drift = result.get("read_drift") or {}
+    if drift.get("moved"):
+        out.append(drift_line(drift))
     noisy = noisy_batches(result)
     if noisy:
         out.append("Noisy rows (marked on the figure): "

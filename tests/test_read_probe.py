@@ -1,0 +1,81 @@
+"""The memory read speed sampled again during a run (hardware/read_probe.py): the drift arithmetic on
+hand-made samples, the probe on this CPU, and a sweep that carries its samples."""
+import pytest
+import torch
+
+from minillm.bench.sweep_result import BatchResult, SweepResult, read_moved
+from minillm.hardware.read_probe import DRIFT, ReadDrift, ReadProbe
+
+
+def test_drift_arithmetic_by_hand():
+    d = ReadDrift((30e9, 45e9, 31e9), bound=40e9)
+    assert d.low == 30e9 and d.high == 45e9
+    assert d.ratio == pytest.approx(1.5)
+    assert d.moved                                   # 1.5 > DRIFT
+    assert "30.0–45.0 GB/s over 3 samples" in d.line() and "MOVED" in d.line() and "40.0 GB/s" in d.line()
+    steady = ReadDrift((40e9, 41e9, 42e9))
+    assert steady.ratio == pytest.approx(1.05) and not steady.moved
+    assert "steady" in steady.line()
+    empty = ReadDrift(())
+    assert empty.ratio is None and not empty.moved and "not sampled" in empty.line()
+    assert d.to_dict()["samples"] == [30e9, 45e9, 31e9] and d.to_dict()["moved"] is True
+
+
+def test_probe_reads_on_a_cpu_and_only_there():
+    p = ReadProbe("cpu", 8 * 2**20, passes=2)
+    assert p.active
+    a, b = p.sample(), p.sample()
+    assert a > 0 and b > 0 and p.samples == [a, b]
+    assert p.drift(1e9).samples == (a, b)
+    p.close()
+    assert p.sample() is None and not p.active
+    if torch.cuda.is_available():
+        assert not ReadProbe("cuda", 8 * 2**20).active
+
+
+def test_a_row_is_flagged_only_against_a_measured_read_bound():
+    read = {"bandwidth": 40e9, "bandwidth_kind": "read"}
+    assert not read_moved([39e9, 41e9], read)
+    assert read_moved([30e9, 31e9], read)                      # 40 / 30.5 > DRIFT
+    assert read_moved([50e9, 51e9], read)                      # faster counts too
+    assert not read_moved([30e9], {"bandwidth": 40e9, "source": "spec"})
+    assert not read_moved([], read)
+    assert 40 / 30.5 > DRIFT
+
+
+def _result(now: list[float], drift: dict) -> SweepResult:
+    b = BatchResult(1, "ok", 8, forward_ms=[1.0], engine_ms=[1.1], forward_ms_median=1.0,
+                    engine_ms_median=1.1,
+                    forward_ms_p10=1.0, forward_ms_p90=1.0, per_request_tok_s=1000.0, aggregate_tok_s=1000.0,
+                    mbu=0.5, mfu=0.01, pct_of_bound=0.5, read_bw_now=now)
+    return SweepResult(model="tiny", dtype="fp32", device="cpu", hardware={}, host="h", torch_version="t",
+                       python="p", command="test",
+                       context=8, warmup=1, steps=1, cuda_graphs=False,
+                       ceilings={"bandwidth": 40e9, "bandwidth_kind": "read", "peak_flops": 1e11},
+                       model_bytes=1, config={}, predicted_crossover=1.0, predicted_crossover_kv=1.0,
+                       measured_knee=None, batches=[b], read_drift=drift)
+
+
+def test_the_table_says_when_the_memory_moved_under_a_row():
+    moved = _result([25e9, 27e9], ReadDrift((25e9, 27e9), 40e9).to_dict()).table()
+    assert " †" in moved and "† the memory read at 26.0 GB/s, not the bound's 40.0" in moved
+    steady = _result([40e9, 41e9], ReadDrift((40e9, 41e9), 40e9).to_dict()).table()
+    assert "†" not in steady and "steady within" in steady
+
+
+def test_sweep_samples_the_read_speed_around_every_row():
+    from minillm.bench.sweep import run_sweep
+    res = run_sweep(model="tiny", device="cpu", batches=[1, 2], steps=1, warmup=1, served=False,
+                    copy_bytes=8 * 2**20, matmul_n=128, progress=False)
+    assert all(len(b.read_bw_now) == 2 and min(b.read_bw_now) > 0 for b in res.batches)
+    assert res.read_drift["samples"] == [v for b in res.batches for v in b.read_bw_now]
+    assert res.read_drift["bound"] == res.ceilings["bandwidth"]
+    assert res.to_dict()["read_drift"]["ratio"] >= 1.0
+
+
+def test_doctor_samples_the_read_speed_over_time():
+    from minillm.doctor import check_read_drift
+    [check] = check_read_drift(torch.device("cpu"), 8 * 2**20, samples=3, every_s=0.0)
+    assert check.name == "read speed over time" and check.status in ("OK", "--")
+    assert "over 3 reads" in check.detail and "GB/s" in check.detail
+    assert ("moved" in check.detail) == (check.status == "--")
