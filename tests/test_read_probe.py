@@ -68,9 +68,22 @@ def test_sweep_samples_the_read_speed_around_every_row():
     res = run_sweep(model="tiny", device="cpu", batches=[1, 2], steps=1, warmup=1, served=False,
                     copy_bytes=8 * 2**20, matmul_n=128, progress=False)
     assert all(len(b.read_bw_now) == 2 and min(b.read_bw_now) > 0 for b in res.batches)
-    assert res.read_drift["samples"] == [v for b in res.batches for v in b.read_bw_now]
+    # one sample between two rows serves both: before batch 1, between 1 and 2, after 2
+    assert len(res.read_drift["samples"]) == 3
+    assert res.batches[0].read_bw_now[1] == res.batches[1].read_bw_now[0] == res.read_drift["samples"][1]
     assert res.read_drift["bound"] == res.ceilings["bandwidth"]
     assert res.to_dict()["read_drift"]["ratio"] >= 1.0
+    # the figure shades the bound between the slowest and fastest read, only where it moved
+    import matplotlib
+    matplotlib.use("Agg")
+    from minillm.plots.roofline import plot_roofline
+    data = res.to_dict()
+    data["read_drift"] = ReadDrift((20e9, 40e9), data["ceilings"]["bandwidth"]).to_dict()
+    labels = [t.get_text() for t in plot_roofline(data, formula_panel=False).axes[0].get_legend().get_texts()]
+    assert any("read measured during the run (20–40 GB/s): it moved" in t for t in labels)
+    data["read_drift"] = ReadDrift((40e9, 41e9), data["ceilings"]["bandwidth"]).to_dict()
+    labels = [t.get_text() for t in plot_roofline(data, formula_panel=False).axes[0].get_legend().get_texts()]
+    assert not any("it moved" in t for t in labels)
 
 
 def test_doctor_samples_the_read_speed_over_time():

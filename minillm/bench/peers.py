@@ -470,7 +470,7 @@ def run_peers(model: str = "cpu-small", device: str | None = None, dtype: str | 
     step_read = measure_step_read_bandwidth(dev, bytes_step)
     copy_bw = measure_copy_bandwidth(dev, nbytes=copy_bytes).value
     threads = torch.get_num_threads()
-    probe = ReadProbe(dev, read_nbytes)      # read again before each round: the bound can move (10.6)
+    probe = ReadProbe(dev, read_nbytes)      # measured again before each round: the bound can move (10.6)
 
     candidates: list[_Engine] = []
     for name in engines:

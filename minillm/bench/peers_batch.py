@@ -425,7 +425,7 @@ def run_batch_peers(model: str = "cpu-small", device: str | None = None, dtype: 
     step_bytes = {str(b): decode_step_bytes(cfg, dtype_bytes(dt), b, mean_context) for b in batches}
     read_nbytes = decode_read_bytes(dev, step_bytes[str(batches[0])])
     read_bw = measure_read_bandwidth(dev, nbytes=read_nbytes).value
-    probe = ReadProbe(dev, read_nbytes)      # read again before each batch: the bound can move (10.6)
+    probe = ReadProbe(dev, read_nbytes)      # measured again before each batch: the bound can move (10.6)
     threads = torch.get_num_threads()
 
     made = {"minillm": lambda: MinillmBatch(llm),

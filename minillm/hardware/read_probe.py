@@ -4,26 +4,25 @@ A decode's bound is bandwidth ÷ bytes per step, and the bandwidth is measured o
 run. On a machine that shares its memory with others it does not stay put. On the project's 2-core
 AMD EPYC VM the read speed of one and the same 327 MiB buffer (``cpu-small``'s fp32 step) sat at
 28–33 GB/s for a while, then at 40–51 GB/s, then back, in stretches of seconds to minutes; two
-buffers read in turn moved together, so it is the host's memory traffic, not where a buffer lies
-(5 processes × 12 rounds of 2 buffers, 5 passes each: 25–51 GB/s). Two commands that measured the
-bound the same way over the same buffer size got 31.9 and 54.3 GB/s minutes apart, for that reason.
+buffers read in turn moved together, so it is mostly the host's memory traffic (5 processes × 12
+rounds of 2 buffers, 5 passes each: 25–51 GB/s). Two commands that measured the bound the same way
+over the same buffer size got 31.9 and 54.3 GB/s minutes apart, for that reason.
 
-So the commands that compare a decode with the bound (``roofline``, ``bench``) keep one buffer of
-the bound's size and read it again, a few passes, between their measurements: each row can say what
-the memory delivered while it ran, and a run says when the bound moved under it.
+So the commands that compare a decode with the bound (``roofline``, ``bench``) measure it again, the
+same way with fewer passes, between their measurements: each row can say what the memory delivered
+around it, and a run says when the bound moved under it.
 """
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import asdict, dataclass
 
 import torch
 
 from minillm.core.device import host_available_bytes
+from minillm.hardware.machine import measure_read_bandwidth
 
 DRIFT = 1.2          # fastest ÷ slowest sample above which a run says the bound moved
-PASSES = 3           # passes per sample: about 25 ms over 327 MiB at 40 GB/s
+PASSES = 3           # timed passes per sample, after one untimed (the bound's measurement takes 10)
 
 
 @dataclass(frozen=True)
@@ -72,35 +71,36 @@ def drift_line(drift: dict) -> str:
 
 
 class ReadProbe:
-    """One buffer of ``nbytes`` (the bound's buffer: ``machine.decode_read_bytes``), held for a run and
-    read :data:`PASSES` times a sample, as ``machine.measure_read_bandwidth`` reads it (a sum).
+    """The bound's measurement (``machine.measure_read_bandwidth`` over ``nbytes``, the bound's buffer:
+    ``machine.decode_read_bytes``), repeated with fewer passes between a run's measurements.
 
-    Only on a CPU: a GPU's memory is its own, and a buffer the size of a large model's step would
-    take memory the KV cache needs. Elsewhere, and where the buffer would not fit in an eighth of the
-    free memory, :meth:`sample` returns None and the run's :class:`ReadDrift` is empty."""
+    Each sample reads a freshly allocated buffer, as the bound's measurement does, so that the two are
+    comparable. Where a buffer lies does matter a little: a buffer allocated minutes earlier read 26–28
+    GB/s while fresh ones read 27–33 in the same seconds (the AMD EPYC VM, four rounds), so a buffer held
+    for the run would read below the bound on a steady machine and flag it.
+
+    Only on a CPU: a GPU's memory is its own, and a buffer the size of a large model's step would take
+    memory the KV cache holds. Elsewhere, and where the buffer would not fit in an eighth of the free
+    memory, :meth:`sample` returns None and the run's :class:`ReadDrift` is empty."""
 
     def __init__(self, device: torch.device | str, nbytes: int, passes: int = PASSES):
-        dev = torch.device(device)
-        n = int(nbytes) // 4
-        fits = n * 4 <= host_available_bytes() // 8
+        self.device = torch.device(device)
+        self.nbytes = int(nbytes)
         self.passes = passes
         self.samples: list[float] = []
-        self._buf = torch.ones(n, dtype=torch.float32) if dev.type == "cpu" and n > 0 and fits else None
+        self._on = (self.device.type == "cpu" and self.nbytes >= 2**20
+                    and self.nbytes <= host_available_bytes() // 8)
 
     @property
     def active(self) -> bool:
-        return self._buf is not None
+        return self._on
 
     def sample(self) -> float | None:
-        """Read the buffer ``passes`` times; the median pass in B/s (kept in :attr:`samples`)."""
-        if self._buf is None:
+        """One read-bandwidth measurement (one untimed pass, ``passes`` timed), in B/s, kept in
+        :attr:`samples`."""
+        if not self._on:
             return None
-        times = []
-        for _ in range(self.passes):
-            t0 = time.perf_counter()
-            self._buf.sum()
-            times.append(time.perf_counter() - t0)
-        bw = self._buf.numel() * 4 / statistics.median(times)
+        bw = measure_read_bandwidth(self.device, nbytes=self.nbytes, repeats=self.passes, warmup=1).value
         self.samples.append(bw)
         return bw
 
@@ -108,4 +108,4 @@ class ReadProbe:
         return ReadDrift(tuple(self.samples), bound)
 
     def close(self) -> None:
-        self._buf = None
+        self._on = False

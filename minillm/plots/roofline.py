@@ -54,6 +54,14 @@ def plot_roofline(result: dict, references: list[dict] | None = None, ax=None,
                         f"batch 1)\ngrey, dashed: B × BW ÷ bytes a step reads (+ K/V at L={L})",
             transform=ax.transAxes, ha="left", va="top", fontsize=7, color="0.35", zorder=6,
             bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.9, "pad": 1.5})
+    # the bound at the slowest and fastest read measured during the run, where it moved (10.6)
+    drift = result.get("read_drift") or {}
+    if drift.get("moved"):
+        lo, hi = drift["low"], drift["high"]
+        ax.fill_between(grid, [b * lo / rf.decode_step_bytes(cfg, nbytes, b, L) for b in grid],
+                        [b * hi / rf.decode_step_bytes(cfg, nbytes, b, L) for b in grid], color="tab:gray",
+                        alpha=0.15, lw=0, label=f"the dashed bound at the read measured during the run "
+                                                f"({lo / 1e9:.0f}–{hi / 1e9:.0f} GB/s): it moved")
     compute = [peak / (rf.decode_step_flops(cfg, b, L) / b) for b in grid]
     ax.plot(grid, compute, "-.", color="tab:red", alpha=0.7)
     ax.annotate("compute roof: peak ÷ FLOPs per token", (grid[-1], compute[-1]), xytext=(-3, 4),
