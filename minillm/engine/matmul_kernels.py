@@ -21,6 +21,15 @@ INDUCTOR_FP32 = "mkl-packed"
 # One decode row written as a product and a sum over the input features, for Inductor to generate as
 # one streaming loop over the weight (compiled only: in eager the product [1, N, K] would be written
 # out and read back, three times the bytes). Timed per shape beside the chosen kernel (matmul.py).
+# Only one row: written for 2–8 rows the same way, it loses to oneDNN's packed kernel, which read an
+# 8192×2048 fp32 weight at 8 rows in 2.69–3.54 ms, 1.1–1.3× the one-row sum's 2.05–2.72 in the same
+# runs. Measured on the AMD EPYC VM, compiled, medians of 30: one sum per row, which Inductor fuses
+# into one loop over the weight with 8 accumulators, 7.2–7.8 ms at 8 rows (its rows are re-read from
+# L2 for every output); a [N, B] output 5.9–6.4 ms; the input features split in chunks of 64–256 so the
+# rows stay in L1, 9.7–13.8 ms. In bf16 the one-row sum read a weight faster than oneDNN (1.27–1.60
+# against 1.51–1.80 ms for 8192×2048, three rounds), but the compiled step of cpu-small with every
+# weight read that way took 12.0 and 12.5 ms against 7.1 and 8.2 with Inductor's own bf16 GEMMs (1 row,
+# 128 cached tokens, median of 60, fresh processes alternating), so bf16 keeps those.
 ONE_ROW_REDUCTION = "reduction (compiled, 1 row)"
 
 
