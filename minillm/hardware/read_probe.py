@@ -57,8 +57,8 @@ class ReadDrift:
         if not self.moved:
             return f"memory read speed during the run: {rng}{bound}, steady within ×{DRIFT}"
         return (f"memory read speed MOVED during the run: {rng}, ×{self.ratio:.2f}{bound}. Something outside "
-                f"this process shares the memory; a % of the bound is only as good as that, so read each "
-                f"row beside the speed measured around it (read_bw_now) and rerun in a steadier hour.")
+                f"this process shares the memory, so every % of the bound is off by up to that much; what "
+                f"was measured interleaved (engines, paths) still compares. Rerun in a steadier hour.")
 
     def to_dict(self) -> dict:
         return {**asdict(self), "samples": list(self.samples), "low": self.low, "high": self.high,
