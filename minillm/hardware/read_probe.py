@@ -3,7 +3,7 @@
 A decode's bound is bandwidth ÷ bytes per step, and the bandwidth is measured once, at the start of a
 run. On a machine that shares its memory with others it does not stay put. On the project's 2-core
 AMD EPYC VM the read speed of one and the same 327 MiB buffer (``cpu-small``'s fp32 step) sat at
-28–33 GB/s for a while, then at 40–51 GB/s, then back, in stretches of seconds to minutes; two
+25–35 GB/s for a while, then at 39–51 GB/s, then back, in stretches of seconds to minutes; two
 buffers read in turn moved together, so it is mostly the host's memory traffic (5 processes × 12
 rounds of 2 buffers, 5 passes each: 25–51 GB/s). Two commands that measured the bound the same way
 over the same buffer size got 31.9 and 54.3 GB/s minutes apart, for that reason.
