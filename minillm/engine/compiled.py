@@ -49,9 +49,9 @@ Inductor's settings on a CPU (``inductor_options``) were chosen by measurement: 
   alone (``max_autotune_gemm_backends="CPP"``) the 1-row step took 7.29, 7.11, 6.85, 6.92 ms against
   9.75, 7.23, 7.56, 8.32 with ATen's kernels among the choices (``cpu-small``, 128 cached tokens,
   median of 60, fresh processes alternating), but 23.38 and 27.76 ms against 13.06 and 18.18 at 8
-  rows. Autotuning times each GEMM alone, where a weight of a few MB sits in the cache, which the
-  step's weights do not; a choice per bucket by a whole-step measurement would be needed, and has
-  not been measured on the Xeon, so the setting is unchanged.
+  rows. A likely cause, not measured: autotuning times each GEMM alone, where a weight of a few MB
+  can sit in the cache, which the step's weights do not. Using it would take a choice per bucket by
+  a whole-step measurement, and it has not been measured on the Xeon, so the setting is unchanged.
   The price: a first compile of about 25 s (the GEMMs are benchmarked; Inductor prints the
   timings), and each compiled row bucket holds a pre-packed copy of the weights beside the
   eager ones that prefill uses (measured: +293 MB of RSS for ``cpu-small``, then flat while
