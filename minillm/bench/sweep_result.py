@@ -18,7 +18,7 @@ from minillm.core.device import free_memory_bytes
 from minillm.core.result import dumps_strict, restore_nonfinite
 from minillm.hardware.provenance import RunProvenance
 from minillm.hardware.quiet import NOISY_SPREAD, too_wide
-from minillm.hardware.read_probe import DRIFT, drift_line
+from minillm.hardware.read_probe import ReadDrift, drift_line
 from minillm.model.config import PRESETS
 
 DEFAULT_BATCHES = [1, 2, 4, 8, 16, 32, 48, 64]
@@ -226,24 +226,20 @@ class SweepResult(RunProvenance):
         return "\n".join(rows)
 
     def _now_words(self, batches: list[int]) -> str:
-        now = [statistics.median(b.read_bw_now) for b in self.batches if b.batch in batches]
+        now = [statistics.median(b.read_bw_now) for b in self.batches if b.batch in batches]   # never empty
         bound = self.ceilings.get("bandwidth") or 0
-        if not now:
-            return "at another speed than the bound's"
         speed = (f"{min(now) / 1e9:.1f}" if f"{min(now) / 1e9:.1f}" == f"{max(now) / 1e9:.1f}"
                  else f"{min(now) / 1e9:.1f}–{max(now) / 1e9:.1f}")
         return f"at {speed} GB/s, not the bound's {bound / 1e9:.1f},"
 
 
-
 def read_moved(samples: list[float], ceilings: dict) -> bool:
-    """Whether the memory read more than ×DRIFT faster or slower around a row than when the bound was
-    measured (only for a measured read bound: a spec sheet's is not comparable)."""
+    """Whether the memory read more than ×read_probe.DRIFT faster or slower around a row than when the
+    bound was measured (only for a measured read bound: a spec sheet's is not comparable)."""
     bound = ceilings.get("bandwidth") if ceilings.get("bandwidth_kind") == "read" else None
     if not samples or not bound:
         return False
-    now = statistics.median(samples)
-    return max(now, bound) / min(now, bound) > DRIFT
+    return ReadDrift((statistics.median(samples), bound)).moved
 
 
 def load_result(path: str | Path) -> dict:
