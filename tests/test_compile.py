@@ -34,15 +34,15 @@ def _tiny_model(dtype: str, seed: int, max_positions: int = 64):
 
 
 def measured_choice(monkeypatch, model, faster_than_inductor: bool, attention: str = "native",
-                    reduction_faster: bool = False):
-    """Make the decode matmul choice what a machine could have measured: every shape on oneDNN's
-    packed kernel, which ran one step's matmuls 2× faster than MKL's packing (so a compiled fp32
-    decode keeps it) or 2× slower (so Inductor's freezing lays the weights out); and one row written
-    as a compiled reduction timed 2× faster than that kernel, or 2× slower."""
+                    reduction_faster: bool = False, kernel: str = "onednn-packed"):
+    """Make the decode matmul choice what a machine could have measured: every shape on ``kernel``
+    (oneDNN's packed one unless named), which ran one step's matmuls 2× faster than MKL's packing
+    (so a compiled fp32 decode keeps it) or 2× slower (so Inductor's freezing lays the weights out);
+    and one row written as a compiled reduction timed 2× faster than that kernel, or 2× slower."""
     from minillm.engine import matmul
     rows = list(matmul.DECODE_ROWS)
-    shapes = [matmul.ShapeChoice(n, k, b, "onednn-packed", {"onednn-packed": {str(r): 1.0 for r in rows}},
-                                 by_rows={str(r): "onednn-packed" for r in rows},
+    shapes = [matmul.ShapeChoice(n, k, b, kernel, {kernel: {str(r): 1.0 for r in rows}},
+                                 by_rows={str(r): kernel for r in rows},
                                  inductor_ms={str(r): 2.0 if faster_than_inductor else 0.5 for r in rows},
                                  reduction_ms=0.5 if reduction_faster else 2.0, reduction_beside_ms=1.0)
               for n, k, b in matmul.linear_shapes(model)]
@@ -60,9 +60,18 @@ def _packed_linears(model) -> int:
 
 # bf16: the logits here reach about 25, where bf16's spacing is 0.125; a logprob (a logit minus
 # a log-sum-exp, each rounded) may move by that much when other kernels sum in another order.
-@pytest.mark.parametrize("dtype,logprob_tol,choice_faster", [("fp32", 1e-4, False), ("fp32", 1e-4, True),
-                                                             ("bf16", 0.125, True)])
-def test_compiled_decode_gives_the_same_tokens_as_eager(monkeypatch, dtype, logprob_tol, choice_faster):
+def _tiled_builds() -> bool:
+    from minillm.engine import tiled_kernel
+    return tiled_kernel.available()
+
+
+@pytest.mark.parametrize("dtype,logprob_tol,choice_faster,kernel", [
+    ("fp32", 1e-4, False, "onednn-packed"), ("fp32", 1e-4, True, "onednn-packed"),
+    pytest.param("fp32", 1e-4, True, "tiled",
+                 marks=pytest.mark.skipif(not _tiled_builds(), reason="the tiled kernel does not build")),
+    ("bf16", 0.125, True, "onednn-packed")])
+def test_compiled_decode_gives_the_same_tokens_as_eager(monkeypatch, dtype, logprob_tol, choice_faster,
+                                                        kernel):
     """Small on purpose (2 layers, 512 tokens, 2 rows, 4 tokens: one bucket, one compilation):
     Inductor compiles C++ on the CPU, and CI has 2 cores. bf16 compiles with frozen weights and
     autotuned GEMMs (``inductor_options``): other kernels, so its logprobs agree to bf16's
@@ -74,12 +83,14 @@ def test_compiled_decode_gives_the_same_tokens_as_eager(monkeypatch, dtype, logp
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported() and dtype == "bf16":
         pytest.skip("no oneDNN bf16 kernels on this CPU")
     # bf16: the machine measured decode attention faster upcast to fp32, which holds compiled too
-    measured_choice(monkeypatch, model, choice_faster, attention="fp32" if dtype == "bf16" else "native")
+    measured_choice(monkeypatch, model, choice_faster, attention="fp32" if dtype == "bf16" else "native",
+                    kernel=kernel)
     tok = load_tokenizer(None)
     prompts = [[5, 17, 300, 42, 9], [7, 8, 9, 10, 11, 12, 13, 14]]
     eager, eng_e = _generate(model, tok, prompts, compile=False)
     assert _packed_linears(model) > 0                                 # eager runs the chosen kernels
     from torch._dynamo.utils import counters
+    torch._dynamo.reset()          # compile anew: a graph of an earlier case would pass for this one's
     counters.clear()
     compiled, eng_c = _generate(model, tok, prompts, compile=True)
     # the settings reached the compiler: the weights were frozen and pre-packed for the CPU's
@@ -88,6 +99,7 @@ def test_compiled_decode_gives_the_same_tokens_as_eager(monkeypatch, dtype, logp
     kept = dtype == "fp32" and choice_faster
     assert (_packed_linears(model) > 0) is kept and (eng_c.runner.matmul_choice is not None) is kept
     assert (packed > 0) is not kept
+    assert {m.candidate for m in model.modules() if hasattr(m, "candidate")} == ({kernel} if kept else set())
     assert eng_e.runner.backend.decode_upcast is eng_c.runner.backend.decode_upcast is (dtype == "bf16")
     assert eng_e.runner.compile_s == {} and not eng_e.runner.static_decode
     assert [o.token_ids for o in compiled] == [o.token_ids for o in eager]

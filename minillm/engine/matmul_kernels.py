@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minillm.engine import tiled_kernel
+
 PAD_ROWS = 4                            # onednn-packed-pad4 pads fewer rows to this many
 # What Inductor's freezing makes of an fp32 nn.Linear when torch has MKL: the weight packed for MKL's
 # sgemm at the graph's row count (torch/_inductor/fx_passes/mkldnn_fusion.py). It is timed beside the
@@ -95,6 +97,9 @@ CANDIDATES: dict[str, Candidate] = {
         "onednn-packed-pad4", "the same, with fewer than 4 rows padded to 4 (its faster kernel)", "onednn",
         _onednn_ok, lambda w: torch.ops.mkldnn._reorder_linear_weight(w), _onednn_padded,
         lambda p: p.to_dense()),
+    "tiled": Candidate(
+        "tiled", "the project's kernel: each weight tile read once for up to 8 rows (engine/tiled_kernel.py)",
+        "tiles", tiled_kernel.available, tiled_kernel.pack, tiled_kernel.forward, tiled_kernel.unpack),
 }
 
 
