@@ -121,13 +121,11 @@ def test_a_routed_linear_computes_f_linear_at_every_row_count():
     assert routed._by_n[3] is matmul.CANDIDATES["onednn-packed"].forward     # the 8-row bucket decides
 
 
-def test_bf16_logits_within_tolerance_at_each_bucket():
-    cand = [n for n in _available(torch.bfloat16) if n != "aten"]
-    if not cand:
-        pytest.skip("no bf16 candidate besides aten in this torch build")
+@pytest.mark.parametrize("candidate", [n for n in _available(torch.bfloat16) if n != "aten"])
+def test_bf16_logits_within_tolerance_at_each_bucket(candidate):
     plain = load_model("tiny", torch.device("cpu"), torch.bfloat16, 0)
     packed = load_model("tiny", torch.device("cpu"), torch.bfloat16, 0)
-    matmul.apply(packed, _choice_for(packed, cand[0]))
+    matmul.apply(packed, _choice_for(packed, candidate))
     for r in ROWS:
         tokens = torch.randint(0, plain.config.vocab_size, (r, 3), generator=torch.Generator().manual_seed(r))
         with torch.inference_mode():
@@ -340,13 +338,23 @@ def test_a_packed_linear_reads_one_row_as_a_reduction_only_when_compiled(monkeyp
     assert traced and torch.allclose(got, want, atol=1e-5)               # compiled: the reduction
 
 
-def test_a_compiled_bf16_decode_measures_nothing_and_stays_plain(monkeypatch):
-    def never(*a, **k):
-        raise AssertionError("a compiled bf16 decode has no choice to make")
-    monkeypatch.setattr(matmul, "choose", never)
+@pytest.mark.parametrize("kernel,kept", [("onednn-packed", False), ("tiled", True)])
+def test_a_compiled_bf16_decode_keeps_only_the_tiled_kernel(monkeypatch, kernel, kept):
+    """Inductor autotunes its own bf16 GEMMs, which the tiled kernel beat in a whole compiled step and
+    oneDNN's frozen kernels did not: a compiled bf16 decode keeps the choice only where every shape is
+    tiled."""
     m = load_model("tiny", torch.device("cpu"), torch.bfloat16, 0)
-    assert matmul.prepare(m, "auto", compiled=True) is None
-    assert not any(isinstance(x, matmul.PackedLinear) for x in m.modules())
+    rows = list(matmul.DECODE_ROWS)
+    shapes = [matmul.ShapeChoice(n, k, b, kernel, {kernel: {str(r): 1.0 for r in rows}},
+                                 by_rows={str(r): kernel for r in rows})
+              for n, k, b in matmul.linear_shapes(m)]
+    ch = matmul.MatmulChoice("test", matmul.machine_id(), torch.__version__, torch.get_num_threads(),
+                             "bfloat16", rows, shapes)
+    monkeypatch.setattr(matmul, "choose", lambda *a, **k: ch)
+    if kept and not matmul.CANDIDATES["tiled"].available(torch.bfloat16):
+        pytest.skip("the tiled kernel does not build here")
+    assert (matmul.prepare(m, "auto", compiled=True) is ch) is kept
+    assert any(isinstance(x, matmul.PackedLinear) for x in m.modules()) is kept
 
 
 def test_the_layers_of_each_shape_are_counted():

@@ -9,21 +9,30 @@ from minillm.engine import matmul, tiled_kernel
 pytestmark = pytest.mark.skipif(not tiled_kernel.available(), reason="the tiled kernel does not build here")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
-def test_the_kernel_computes_f_linear_for_every_row_count(bias):
+def test_the_kernel_computes_f_linear_for_every_row_count(bias, dtype):
     """Rows 1–17 and 33 cover every register-tile size, whole and partial groups of rows; K = 100 is
-    no multiple of a vector."""
+    no multiple of a vector. bf16 is compared with the product of the same bf16 numbers in fp32, to
+    within the output's own rounding (its spacing near 10 is 0.0625)."""
     g = torch.Generator().manual_seed(0)
     tw = tiled_kernel.tile_width()
-    w = torch.randn(3 * tw, 100, generator=g)
-    b = torch.randn(3 * tw, generator=g) if bias else None
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=0.1)
+    w = torch.randn(3 * tw, 100, generator=g).to(dtype)
+    b = torch.randn(3 * tw, generator=g).to(dtype) if bias else None
     tiles = tiled_kernel.pack(w)
-    assert tiles.shape == (3, 100, tw)
+    assert tiles.shape[0] == 3 and tiles.dtype == dtype
+
+    def want(x):
+        return F.linear(x.float(), w.float(), b.float() if bias else None)
+
     for rows in [*range(1, 18), 33]:
-        x = torch.randn(rows, 100, generator=g)
-        torch.testing.assert_close(tiled_kernel.run(x, tiles, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
-    x3 = torch.randn(2, 3, 100, generator=g)                      # leading dims kept, strided input copied
-    torch.testing.assert_close(tiled_kernel.run(x3, tiles, b), F.linear(x3, w, b), rtol=1e-5, atol=1e-4)
+        x = torch.randn(rows, 100, generator=g).to(dtype)
+        got = tiled_kernel.run(x, tiles, b)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float(), want(x), **tol)
+    x3 = torch.randn(2, 3, 100, generator=g).to(dtype)                # leading dims kept
+    torch.testing.assert_close(tiled_kernel.run(x3, tiles, b).float(), want(x3), **tol)
     assert tiled_kernel.run(x3[:, :0], tiles, b).shape == (2, 0, 3 * tw)
 
 
@@ -31,6 +40,8 @@ def test_tiles_go_back_to_the_weight_and_a_ragged_weight_is_refused():
     tw = tiled_kernel.tile_width()
     w = torch.randn(2 * tw, 48)
     assert torch.equal(tiled_kernel.unpack(tiled_kernel.pack(w)), w)
+    wb = torch.randn(tw, 48).to(torch.bfloat16)
+    assert torch.equal(tiled_kernel.unpack(tiled_kernel.pack(wb)), wb)
     with pytest.raises(ValueError, match=f"not a multiple of the kernel's tile of {tw}"):
         tiled_kernel.pack(torch.randn(tw + 8, 48))
     sc = matmul.choose_for_shape(tw + 8, 48, False, torch.float32, (1, 2), repeats=1, stack_bytes=2**20)

@@ -21,10 +21,9 @@ rows   fp32 ``F.linear``   fp32 oneDNN packed  bf16 oneDNN packed
 MKL's sgemm behind ``F.linear`` costs almost twice as much for a second row: a batch does not share
 its read, and a learner's per-request line falls from B = 1, which the chapter never describes.
 oneDNN with the weight reordered once ahead of time (what Inductor's ``freezing`` does) stays flat
-to B = 8, but reads slowly at 1 and 2 rows. The project's own kernel (``engine/tiled_kernel.py``) won every
-shape of ``cpu-small`` on the AMD VM (8192×768: 0.84, 0.81, 0.85, 0.84 ms at 1, 2, 4, 8 rows, oneDNN 1.09,
-1.02, 0.97, 1.12). On the Intel Xeon the project was measured on before, MKL was the good one at B = 1, so
-the choice is made by measurement on the machine that runs, never by vendor name.
+to B = 8, but reads slowly at 1 and 2 rows; the project's own kernel (``engine/tiled_kernel.py``) wins
+both. On the Intel Xeon MKL was the good one at B = 1, so the choice is made by measurement on the
+machine that runs, never by vendor name.
 
 :func:`choose` times every candidate this torch build offers (:data:`CANDIDATES`) for each weight
 shape of the model at each decode row bucket and one prefill-sized bucket, over a stack of copies larger than
@@ -170,14 +169,18 @@ class MatmulChoice(Result):
         return math.prod(ratios) ** (1 / len(ratios))
 
     def kept_when_compiled(self) -> bool:
-        """Whether a compiled decode runs these kernels (frozen as they are) rather than Inductor's."""
+        """Whether a compiled decode runs these kernels (frozen) rather than Inductor's. bf16: where every
+        shape is tiled (``cpu-small``'s compiled step on the AMD VM, 128 cached tokens, median of 8 rounds:
+        7.05, 8.11 ms at 1 row, 12.43, 11.01 at 8; Inductor's bf16 GEMMs 7.88, 9.00 and 14.19, 13.91)."""
         speedup = self.compiled_speedup()
-        return speedup is None or speedup > 1
+        return (all(s.chosen == "tiled" for s in self.rows) if self.dtype != "float32"
+                else speedup is None or speedup > 1)
 
     def compiled_line(self) -> str:
         speedup = self.compiled_speedup()
         if speedup is None:
-            return "compiled decode: keeps these kernels (Inductor's MKL packing not timed here)"
+            kept = "keeps these kernels" if self.kept_when_compiled() else "Inductor's own GEMMs"
+            return f"compiled decode: {kept} (Inductor's MKL packing not timed here)"
         reduced = [s.shape for s in self.rows if s.reduces_one_row()]
         one_row = (f"; at 1 row {len(reduced)} of {len(self.rows)} shapes as a fused reduction"
                    if speedup > 1 and any(s.reduction_ms is not None for s in self.rows) else "")
@@ -480,18 +483,16 @@ def prepare(model: nn.Module, mode: str = "auto", compiled: bool = False) -> Mat
 
     ``compiled`` (the runner compiles its decode): Inductor's freezing lays plain weights out itself,
     for MKL's packed sgemm in fp32 and for oneDNN in bf16, where it also autotunes its own GEMM
-    (engine/compiled.py). So bf16 stays plain (its decode attention still follows the measured choice:
-:func:`decode_attention_in_fp32`), and fp32 keeps the chosen kernels only where they ran
-    one step's matmuls faster than MKL's packing (:meth:`MatmulChoice.kept_when_compiled`). Measured
-    on the project's AMD EPYC VM (2 threads, ``cpu-small`` fp32, compiled step at 128 cached tokens,
-    median of 40): 16.6 ms at 1 row and 20.0 at 8 with the chosen oneDNN kernels frozen, against
-    23.1 and 54.9 with MKL's packing; one 8192×768 weight took 0.95/1.06 ms (1/8 rows) in oneDNN's
-    and 1.12/3.03 ms in MKL's. On the Intel Xeon VM MKL's was the faster (0.80/1.30 ms against
+    (engine/compiled.py). So bf16 keeps the chosen kernels only where every shape is tiled, else stays plain
+    (its decode attention still follows the measured choice: :func:`decode_attention_in_fp32`), and fp32
+    keeps them only where they ran one step's matmuls faster than MKL's packing (``kept_when_compiled``).
+    Measured on the AMD EPYC VM (2 threads, ``cpu-small`` fp32, compiled step at 128 cached tokens,
+    median of 40): 16.6 ms at 1 row and 20.0 at 8 with the chosen oneDNN kernels frozen, against 23.1
+    and 54.9 with MKL's packing; one 8192×768 weight took 0.95/1.06 ms (1/8 rows) in oneDNN's and
+    1.12/3.03 ms in MKL's. On the Intel Xeon VM MKL's was the faster (0.80/1.30 ms against
     0.90/1.58), so there the compiled decode keeps Inductor's."""
     if mode not in MATMUL_MODES:
         raise ValueError(f"matmul must be one of {', '.join(MATMUL_MODES)}, got {mode!r}")
-    if compiled and next(model.parameters()).dtype != torch.float32:
-        mode = "aten"
     done = getattr(model, "matmul_choice", None)
     if done is not None:
         if mode == "auto" and (not compiled or done.kept_when_compiled()):

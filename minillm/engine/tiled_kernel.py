@@ -17,8 +17,24 @@ rows  this kernel oneDNN, pre-packed
 ====  ==========  ===================
 
 Up to 8 rows it reads the weight at the same 31–34 GB/s whatever the batch: one read serves every row.
-At 16 rows it reads the weight twice (two passes of 8), and oneDNN's blocked GEMM wins; the matmul
-choice (``engine/matmul.py``) times both per shape and row bucket and keeps the faster.
+That was the first version, which ran the rows in passes of 8 and so read the weight again for each
+pass. Now each tile is multiplied by every group of 8 rows while it sits in the L2 cache, and in the
+matmul choice's own timing (``engine/matmul.py``, 8192×2048, median of 3) it took 3.23, 10.1 and 38.5 ms at
+16, 64 and 256 rows against oneDNN's 3.44, 10.3 and 39.9. The choice times both per shape and row bucket.
+
+bf16 (the same weight, same VM, median of 3), ms per weight:
+
+====  ============================  ==============================  ===================
+rows  tiled, AVX512-BF16 pair dots  tiled, bf16 widened to float    oneDNN, pre-packed
+====  ============================  ==============================  ===================
+1     1.14                          1.29                            1.60
+8     1.29                          2.00                            1.60
+256   20.4                          51.5                            19.8
+====  ============================  ==============================  ===================
+
+Widened to floats, a bf16 weight costs the arithmetic of an fp32 one for half the bytes, and at 8 rows
+the kernel ran out of arithmetic; where the CPU has AVX512-BF16 the tile holds k and k+1 side by side
+and one instruction adds both products.
 
 The layout: the weight [N, K] is cut into tiles of ``TILE`` output features, and each tile is stored
 K-major, [N/TILE, K, TILE]. One tile's K×TILE block is one contiguous stream. For each k the kernel
@@ -62,18 +78,34 @@ constexpr int MAX_ROWS = 6;     // 2 x 6 accumulators of AVX2's 16 registers
 #endif
 constexpr int64_t TILE = 2 * V; // output features per tile: two registers of weights per k
 typedef float vec __attribute__((vector_size(V * sizeof(float))));
+typedef uint16_t bf16;          // a bfloat16's bits: the top half of a float's
+typedef uint16_t hvec __attribute__((vector_size(V * sizeof(bf16))));
+typedef uint32_t uvec __attribute__((vector_size(V * sizeof(uint32_t))));
 
 static inline vec load(const float* p) { vec v; std::memcpy(&v, p, sizeof v); return v; }
+static inline vec load(const bf16* p) {                      // V bf16 widened to floats (exact)
+  hvec h; std::memcpy(&h, p, sizeof h);
+  return (vec)(__builtin_convertvector(h, uvec) << 16);
+}
+static inline float widen(float v) { return v; }
+static inline float widen(bf16 v) {
+  uint32_t u = uint32_t(v) << 16; float f; std::memcpy(&f, &u, 4); return f;
+}
 static inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof v); }
+static inline void store(bf16* p, vec v) {                   // rounded to nearest even, as torch rounds
+  uvec u = (uvec)v;
+  hvec h = __builtin_convertvector((u + 0x7FFF + ((u >> 16) & 1)) >> 16, hvec);
+  std::memcpy(p, &h, sizeof h);
+}
 
 // y[r, t*TILE : (t+1)*TILE] for R rows: the tile's K x TILE weights are read once for all R rows.
-template <int R>
+// T is the weights' and the output's type; the sums are in float either way.
+template <int R, typename T>
 __attribute__((optimize("fp-contract=fast")))      // a += x * w as one FMA
-static void tile(const float* xt, const float* tiles, const float* bias, float* y,
-                 int64_t t, int64_t N, int64_t K) {
+static void tile(const float* xt, const T* tiles, const T* bias, T* y, int64_t t, int64_t N, int64_t K) {
   vec a0[R], a1[R];
   for (int r = 0; r < R; ++r) { a0[r] = vec{}; a1[r] = vec{}; }
-  const float* w = tiles + t * K * TILE;                     // this tile: [K, TILE], contiguous
+  const T* w = tiles + t * K * TILE;                         // this tile: [K, TILE], contiguous
   for (int64_t k = 0; k < K; ++k) {
     vec w0 = load(w + k * TILE), w1 = load(w + k * TILE + V);
     #pragma GCC unroll 8
@@ -91,8 +123,43 @@ static void tile(const float* xt, const float* tiles, const float* bias, float* 
   }
 }
 
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+// bf16 on a CPU with AVX512-BF16: one instruction multiplies pairs of bf16 and adds both products to a
+// float, so the tile holds each output's weights for k and k+1 side by side ([K/2, TILE, 2]) and the
+// rows come as pairs too (xt2[k/2, r] = x[r, k], x[r, k+1]). Twice the arithmetic per instruction of
+// widening to floats, which ran out of arithmetic at 8 rows (measured in the module's docstring).
+constexpr int64_t PAIR = 2;
+template <int R>
+static void tile_pairs(const uint32_t* xt2, const bf16* tiles, const bf16* bias, bf16* y,
+                       int64_t t, int64_t N, int64_t K) {
+  __m512 a0[R], a1[R];
+  for (int r = 0; r < R; ++r) { a0[r] = _mm512_setzero_ps(); a1[r] = _mm512_setzero_ps(); }
+  const bf16* w = tiles + t * K * TILE;                      // this tile: [K/2, TILE, 2], contiguous
+  for (int64_t k2 = 0; k2 < K / 2; ++k2) {
+    __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + k2 * 2 * TILE);
+    __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + k2 * 2 * TILE + 2 * V);
+    #pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      __m512bh x = (__m512bh)_mm512_set1_epi32(xt2[k2 * R + r]);
+      a0[r] = _mm512_dpbf16_ps(a0[r], x, w0);
+      a1[r] = _mm512_dpbf16_ps(a1[r], x, w1);
+    }
+  }
+  const int64_t n0 = t * TILE;
+  const vec b0 = bias ? load(bias + n0) : vec{}, b1 = bias ? load(bias + n0 + V) : vec{};
+  for (int r = 0; r < R; ++r) {
+    store(y + r * N + n0, (vec)a0[r] + b0);
+    store(y + r * N + n0 + V, (vec)a1[r] + b1);
+  }
+}
+#else
+constexpr int64_t PAIR = 1;
+#endif
+
 // R rows of one tile, R a compile-time constant so that the accumulators stay in registers.
-static void rows_of_tile(int64_t R, const float* xt, const float* tiles, const float* bias, float* y,
+template <typename T>
+static void rows_of_tile(int64_t R, const float* xt, const T* tiles, const T* bias, T* y,
                          int64_t t, int64_t N, int64_t K) {
   switch (R) {
     case 1: tile<1>(xt, tiles, bias, y, t, N, K); break;
@@ -108,28 +175,64 @@ static void rows_of_tile(int64_t R, const float* xt, const float* tiles, const f
   }
 }
 
-extern "C" int64_t tile_width() { return TILE; }
-extern "C" int64_t rows_per_group() { return MAX_ROWS; }
-
 // y [R, N] = x [R, K] . W^T (+ bias), W held as tiles [N/TILE, K, TILE].
-// The rows go in groups of MAX_ROWS, each group copied k-major (xt[k, r]). Each thread takes whole
-// tiles and runs every group over a tile before the next: the tile (K x TILE floats, 96-256 KB for
-// cpu-small) comes from memory once and from the L2 cache for the other groups.
-extern "C" void tiled_linear_f32(const float* x, const float* tiles, const float* bias, float* y,
-                                 int64_t R, int64_t N, int64_t K) {
+// The rows go in groups of MAX_ROWS, each group copied k-major (xt[k, r]) as floats. Each thread takes
+// whole tiles and runs every group over a tile before the next: the tile (K x TILE weights, 96-256 KB
+// for cpu-small in fp32) comes from memory once and from the L2 cache for the other groups.
+template <typename T>
+static void tiled_linear(const T* x, const T* tiles, const T* bias, T* y, int64_t R, int64_t N, int64_t K) {
   std::vector<float> xt(R * K);
   for (int64_t r0 = 0; r0 < R; r0 += MAX_ROWS) {
     const int64_t r = R - r0 < MAX_ROWS ? R - r0 : MAX_ROWS;
     for (int64_t i = 0; i < r; ++i)
-      for (int64_t k = 0; k < K; ++k) xt[r0 * K + k * r + i] = x[(r0 + i) * K + k];
+      for (int64_t k = 0; k < K; ++k) xt[r0 * K + k * r + i] = widen(x[(r0 + i) * K + k]);
   }
-  const int64_t T = N / TILE;
+  const int64_t T_ = N / TILE;
   #pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < T; ++t)
+  for (int64_t t = 0; t < T_; ++t)
     for (int64_t r0 = 0; r0 < R; r0 += MAX_ROWS) {
       const int64_t r = R - r0 < MAX_ROWS ? R - r0 : MAX_ROWS;
       rows_of_tile(r, xt.data() + r0 * K, tiles, bias, y + r0 * N, t, N, K);
     }
+}
+
+extern "C" int64_t tile_width() { return TILE; }
+extern "C" int64_t rows_per_group() { return MAX_ROWS; }
+extern "C" int64_t bf16_k_pair() { return PAIR; }       // 2: bf16 tiles hold k and k+1 side by side
+extern "C" void tiled_linear_f32(const float* x, const float* tiles, const float* bias, float* y,
+                                 int64_t R, int64_t N, int64_t K) {
+  tiled_linear(x, tiles, bias, y, R, N, K);
+}
+extern "C" void tiled_linear_bf16(const bf16* x, const bf16* tiles, const bf16* bias, bf16* y,
+                                  int64_t R, int64_t N, int64_t K) {
+#ifdef __AVX512BF16__
+  std::vector<uint32_t> xt2(R * K / 2);                       // the rows as bf16 pairs, k-major per group
+  for (int64_t r0 = 0; r0 < R; r0 += MAX_ROWS) {
+    const int64_t r = R - r0 < MAX_ROWS ? R - r0 : MAX_ROWS;
+    for (int64_t i = 0; i < r; ++i)
+      for (int64_t k2 = 0; k2 < K / 2; ++k2)
+        std::memcpy(&xt2[r0 * K / 2 + k2 * r + i], x + (r0 + i) * K + 2 * k2, 4);
+  }
+  #pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < N / TILE; ++t)
+    for (int64_t r0 = 0; r0 < R; r0 += MAX_ROWS) {
+      const int64_t r = R - r0 < MAX_ROWS ? R - r0 : MAX_ROWS;
+      const uint32_t* xr = xt2.data() + r0 * K / 2;
+      bf16* yr = y + r0 * N;
+      switch (r) {
+        case 1: tile_pairs<1>(xr, tiles, bias, yr, t, N, K); break;
+        case 2: tile_pairs<2>(xr, tiles, bias, yr, t, N, K); break;
+        case 3: tile_pairs<3>(xr, tiles, bias, yr, t, N, K); break;
+        case 4: tile_pairs<4>(xr, tiles, bias, yr, t, N, K); break;
+        case 5: tile_pairs<5>(xr, tiles, bias, yr, t, N, K); break;
+        case 6: tile_pairs<6>(xr, tiles, bias, yr, t, N, K); break;
+        case 7: tile_pairs<7>(xr, tiles, bias, yr, t, N, K); break;
+        case 8: tile_pairs<8>(xr, tiles, bias, yr, t, N, K); break;
+      }
+    }
+#else
+  tiled_linear(x, tiles, bias, y, R, N, K);
+#endif
 }
 """
 
@@ -143,15 +246,18 @@ def _library() -> ctypes.CDLL | None:
     except Exception as e:                # no compiler, no Inductor, a failed build: not a candidate
         log.info("the tiled decode kernel is not available here: %s", str(e).splitlines()[0][:200])
         return None
-    fn = lib.tiled_linear_f32
-    fn.restype = None
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
-    lib.tile_width.restype = lib.rows_per_group.restype = ctypes.c_int64
+    for fn in (lib.tiled_linear_f32, lib.tiled_linear_bf16):
+        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+    lib.tile_width.restype = lib.rows_per_group.restype = lib.bf16_k_pair.restype = ctypes.c_int64
     return lib
 
 
+KERNELS = {torch.float32: "tiled_linear_f32", torch.bfloat16: "tiled_linear_bf16"}
+
+
 def available(dtype: torch.dtype = torch.float32) -> bool:
-    return dtype == torch.float32 and _library() is not None
+    return dtype in KERNELS and _library() is not None
 
 
 def tile_width() -> int:
@@ -159,29 +265,39 @@ def tile_width() -> int:
 
 
 def pack(w: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] → tiles [N/TILE, K, TILE]. A weight whose N is not a whole number of tiles is not
-    held this way (the choice records why and keeps another candidate)."""
+    """weight [N, K] → tiles [N/TILE, K, TILE]; bf16 on a CPU with AVX512-BF16 [N/TILE, K/2, TILE, 2]
+    (k and k+1 side by side, the pairs its dot-product instruction reads). A weight whose N is not a
+    whole number of tiles, or (paired) whose K is odd, is not held this way (the choice records why
+    and keeps another candidate)."""
     tw = tile_width()
     n, k = w.shape
     if n % tw:
         raise ValueError(f"{n} output features are not a multiple of the kernel's tile of {tw}")
+    if _paired(w.dtype):
+        if k % 2:
+            raise ValueError(f"{k} input features are odd: bf16 tiles hold them in pairs")
+        return w.reshape(n // tw, tw, k // 2, 2).transpose(1, 2).contiguous()   # [T, K/2, TILE, 2]
     return w.reshape(n // tw, tw, k).transpose(1, 2).contiguous()        # [T, K, TILE]
 
 
+def _paired(dtype: torch.dtype) -> bool:
+    return dtype == torch.bfloat16 and _library().bf16_k_pair() == 2
+
+
 def unpack(tiles: torch.Tensor) -> torch.Tensor:
-    """tiles [T, K, TILE] → weight [N, K]."""
-    t, k, tw = tiles.shape
-    return tiles.transpose(1, 2).reshape(t * tw, k)                      # [N, K]
+    """tiles [T, K, TILE] (or [T, K/2, TILE, 2]) → weight [N, K]."""
+    t, tw = tiles.shape[0], tiles.shape[2]
+    return tiles.transpose(1, 2).reshape(t * tw, -1)                     # [N, K]
 
 
 def run(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] → [..., N] through the kernel (fp32, CPU)."""
-    t, k, tw = tiles.shape
+    """x [..., K] → [..., N] through the kernel (fp32 or bf16, CPU; x, tiles and bias of one dtype)."""
+    t, tw, k = tiles.shape[0], tiles.shape[2], x.shape[-1]
     xc = x.contiguous()
     y = x.new_empty(*x.shape[:-1], t * tw)                               # [..., N]
     rows = x.numel() // k
     if rows:
-        _library().tiled_linear_f32(xc.data_ptr(), tiles.data_ptr(),
+        getattr(_library(), KERNELS[tiles.dtype])(xc.data_ptr(), tiles.data_ptr(),
                                     bias.data_ptr() if bias is not None else None, y.data_ptr(),
                                     rows, t * tw, k)
     return y
