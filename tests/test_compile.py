@@ -288,3 +288,19 @@ def test_only_the_compiled_fp32_cpu_decode_attends_by_reduction(monkeypatch):
             flags[dtype, compile] = eng.runner.backend.decode_by_reduction
     assert flags == {("fp32", False): False, ("fp32", True): True,
                      ("bf16", False): False, ("bf16", True): False}
+
+
+def test_two_models_of_the_same_shapes_each_decode_with_their_own_weights():
+    """The compiled step does not guard on the model (compile_step), so each model has its own code
+    object: sharing one, the second model ran the first one's frozen weights."""
+    from minillm.engine.tokenizer import load_tokenizer
+    torch._dynamo.reset()
+    tok, prompts = load_tokenizer(None), [[5, 17, 300, 42, 9]]
+    outs = []
+    for seed in (3, 4):
+        model = _tiny_model("fp32", seed=seed)
+        eager, _ = _generate(model, tok, prompts, compile=False)
+        compiled, _ = _generate(model, tok, prompts, compile=True)
+        assert compiled[0].token_ids == eager[0].token_ids
+        outs.append(eager[0].token_ids)
+    assert outs[0] != outs[1]                                   # the two models do differ

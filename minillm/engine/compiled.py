@@ -111,6 +111,8 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import types
+import weakref
 from typing import Callable
 
 import torch
@@ -186,7 +188,19 @@ def raise_recompile_limit(graphs: int) -> None:
         cfg.cache_size_limit = max(cfg.cache_size_limit, graphs)
 
 
-def compile_step(fn: Callable, max_buckets: int) -> Callable:
+# One code object per model: TorchDynamo keeps its compiled graphs on the code object it traced, and the
+# guards no longer check the model (below), so two models of the same shapes sharing one code object
+# share graphs, and the second ran the first one's frozen weights (measured: a second `tiny` model's
+# compiled greedy tokens were neither its own eager ones nor the first model's). Engines on one model
+# still share its graphs.
+_STEP_CODES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _step(fn: Callable, *args):
+    return fn(*args)
+
+
+def compile_step(fn: Callable, max_buckets: int, model: torch.nn.Module) -> Callable:
     """``torch.compile(fn)`` with static shapes, except what the runner marks dynamic (the K/V
     length on a CPU): one graph per decode bucket. TorchDynamo keeps at most ``recompile_limit``
     graphs per function (8 by default) and then silently runs eager; the runner has up to
@@ -196,7 +210,11 @@ def compile_step(fn: Callable, max_buckets: int) -> Callable:
     weight and module attribute of the model cost about 0.29 ms per step (2 % of a batch-1 fp32
     step on ``cpu-small``); the model is never modified once an engine runs, so those guards are
     dropped (``skip_guard_on_all_nn_modules_unsafe``, 0.08 ms). Guards on the step's own inputs,
-    the bucket's buffers and the cache, stay."""
+    the bucket's buffers and the cache, stay; which model ran is told by the code object instead
+    (``_STEP_CODES``)."""
     raise_recompile_limit(max_buckets)
-    return torch.compile(fn, dynamic=False,
-                         options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+    code = _STEP_CODES.setdefault(model, _step.__code__.replace())       # a new code object per model
+    step = types.FunctionType(code, _step.__globals__, "decode_step")
+    compiled = torch.compile(step, dynamic=False,
+                             options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+    return functools.partial(compiled, fn)

@@ -123,7 +123,7 @@ class ModelRunner:
             if why:
                 raise ValueError(f"compile=True, but torch.compile cannot run here: {why}")
             kv_buckets = max(1, cache.max_len.bit_length() - 3)          # 16, 32, … max_len
-            self._compiled = compile_step(self._static_step, len(self.row_buckets) * kv_buckets + 4)
+            self._compiled = compile_step(self._static_step, len(self.row_buckets) * kv_buckets + 4, model)
             # fp32 on a CPU: attention fused with the K/V gather is faster there (attention.py)
             self.backend.decode_by_reduction = (self.device.type == "cpu"
                                                 and model.dtype == torch.float32)
