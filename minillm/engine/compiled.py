@@ -52,6 +52,9 @@ Inductor's settings on a CPU (``inductor_options``) were chosen by measurement: 
   rows. A likely cause, not measured: autotuning times each GEMM alone, where a weight of a few MB
   can sit in the cache, which the step's weights do not. Using it would take a choice per bucket by
   a whole-step measurement, and it has not been measured on the Xeon, so the setting is unchanged.
+  Where the machine chose the project's tiled kernel for every shape (``engine/tiled_kernel.py``), the
+  compiled bf16 decode keeps it (``MatmulChoice.kept_when_compiled`` has the measurement): the matmuls
+  reach Inductor as opaque operator calls, and there is no GEMM left for it to autotune.
   The price: a first compile of about 25 s (the GEMMs are benchmarked; Inductor prints the
   timings), and each compiled row bucket holds a pre-packed copy of the weights beside the
   eager ones that prefill uses (measured: +293 MB of RSS for ``cpu-small``, then flat while
