@@ -66,6 +66,7 @@ log = logging.getLogger("minillm.engine")
 SOURCE = r"""
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 // One vector register of floats: AVX-512 holds 16, AVX2 and NEON pairs hold 8.
@@ -157,43 +158,50 @@ static void tile_pairs(const uint32_t* xt2, const bf16* tiles, const bf16* bias,
 constexpr int64_t PAIR = 1;
 #endif
 
-// R rows of one tile, R a compile-time constant so that the accumulators stay in registers.
-template <typename T>
-static void rows_of_tile(int64_t R, const float* xt, const T* tiles, const T* bias, T* y,
-                         int64_t t, int64_t N, int64_t K) {
+// f(std::integral_constant<int, R>{}) for a group of R rows: R a compile-time constant, so that the
+// accumulators stay in registers.
+template <typename F>
+static void with_rows(int64_t R, F&& f) {
   switch (R) {
-    case 1: tile<1>(xt, tiles, bias, y, t, N, K); break;
-    case 2: tile<2>(xt, tiles, bias, y, t, N, K); break;
-    case 3: tile<3>(xt, tiles, bias, y, t, N, K); break;
-    case 4: tile<4>(xt, tiles, bias, y, t, N, K); break;
-    case 5: tile<5>(xt, tiles, bias, y, t, N, K); break;
-    case 6: tile<6>(xt, tiles, bias, y, t, N, K); break;
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
 #ifdef __AVX512F__
-    case 7: tile<7>(xt, tiles, bias, y, t, N, K); break;
-    case 8: tile<8>(xt, tiles, bias, y, t, N, K); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    case 8: f(std::integral_constant<int, 8>{}); break;
 #endif
   }
 }
 
-// y [R, N] = x [R, K] . W^T (+ bias), W held as tiles [N/TILE, K, TILE].
-// The rows go in groups of MAX_ROWS, each group copied k-major (xt[k, r]) as floats. Each thread takes
-// whole tiles and runs every group over a tile before the next: the tile (K x TILE weights, 96-256 KB
-// for cpu-small in fp32) comes from memory once and from the L2 cache for the other groups.
-template <typename T>
-static void tiled_linear(const T* x, const T* tiles, const T* bias, T* y, int64_t R, int64_t N, int64_t K) {
-  std::vector<float> xt(R * K);
+// The rows go in groups of MAX_ROWS, each group copied k-major (xt[k, r] = row(r, k), KX entries per row:
+// one float per k, or one pair of bf16 per two k). Each thread takes whole tiles and runs every group over
+// a tile before the next: the tile (K x TILE weights, 96-256 KB for cpu-small in fp32) comes from memory
+// once and from the L2 cache for the other groups. tile(rows, xt of the group, first row, t) does the work.
+template <typename X, typename Row, typename Tile>
+static void over_tiles(int64_t R, int64_t N, int64_t KX, Row row, Tile tile) {
+  std::vector<X> xt(R * KX);
   for (int64_t r0 = 0; r0 < R; r0 += MAX_ROWS) {
     const int64_t r = R - r0 < MAX_ROWS ? R - r0 : MAX_ROWS;
     for (int64_t i = 0; i < r; ++i)
-      for (int64_t k = 0; k < K; ++k) xt[r0 * K + k * r + i] = widen(x[(r0 + i) * K + k]);
+      for (int64_t k = 0; k < KX; ++k) xt[r0 * KX + k * r + i] = row(r0 + i, k);
   }
-  const int64_t T_ = N / TILE;
   #pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < T_; ++t)
-    for (int64_t r0 = 0; r0 < R; r0 += MAX_ROWS) {
-      const int64_t r = R - r0 < MAX_ROWS ? R - r0 : MAX_ROWS;
-      rows_of_tile(r, xt.data() + r0 * K, tiles, bias, y + r0 * N, t, N, K);
-    }
+  for (int64_t t = 0; t < N / TILE; ++t)
+    for (int64_t r0 = 0; r0 < R; r0 += MAX_ROWS)
+      with_rows(R - r0 < MAX_ROWS ? R - r0 : MAX_ROWS,
+                [&](auto rows) { tile(rows, xt.data() + r0 * KX, r0, t); });
+}
+
+// y [R, N] = x [R, K] . W^T (+ bias), W held as tiles [N/TILE, K, TILE] (bf16 pairs: [N/TILE, K/2, TILE, 2]).
+template <typename T>
+static void widened(const T* x, const T* tiles, const T* bias, T* y, int64_t R, int64_t N, int64_t K) {
+  over_tiles<float>(R, N, K, [&](int64_t r, int64_t k) { return widen(x[r * K + k]); },
+                    [&](auto rows, const float* xt, int64_t r0, int64_t t) {
+                      tile<decltype(rows)::value>(xt, tiles, bias, y + r0 * N, t, N, K);
+                    });
 }
 
 extern "C" int64_t tile_width() { return TILE; }
@@ -201,37 +209,18 @@ extern "C" int64_t rows_per_group() { return MAX_ROWS; }
 extern "C" int64_t bf16_k_pair() { return PAIR; }       // 2: bf16 tiles hold k and k+1 side by side
 extern "C" void tiled_linear_f32(const float* x, const float* tiles, const float* bias, float* y,
                                  int64_t R, int64_t N, int64_t K) {
-  tiled_linear(x, tiles, bias, y, R, N, K);
+  widened(x, tiles, bias, y, R, N, K);
 }
 extern "C" void tiled_linear_bf16(const bf16* x, const bf16* tiles, const bf16* bias, bf16* y,
                                   int64_t R, int64_t N, int64_t K) {
 #ifdef __AVX512BF16__
-  std::vector<uint32_t> xt2(R * K / 2);                       // the rows as bf16 pairs, k-major per group
-  for (int64_t r0 = 0; r0 < R; r0 += MAX_ROWS) {
-    const int64_t r = R - r0 < MAX_ROWS ? R - r0 : MAX_ROWS;
-    for (int64_t i = 0; i < r; ++i)
-      for (int64_t k2 = 0; k2 < K / 2; ++k2)
-        std::memcpy(&xt2[r0 * K / 2 + k2 * r + i], x + (r0 + i) * K + 2 * k2, 4);
-  }
-  #pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < N / TILE; ++t)
-    for (int64_t r0 = 0; r0 < R; r0 += MAX_ROWS) {
-      const int64_t r = R - r0 < MAX_ROWS ? R - r0 : MAX_ROWS;
-      const uint32_t* xr = xt2.data() + r0 * K / 2;
-      bf16* yr = y + r0 * N;
-      switch (r) {
-        case 1: tile_pairs<1>(xr, tiles, bias, yr, t, N, K); break;
-        case 2: tile_pairs<2>(xr, tiles, bias, yr, t, N, K); break;
-        case 3: tile_pairs<3>(xr, tiles, bias, yr, t, N, K); break;
-        case 4: tile_pairs<4>(xr, tiles, bias, yr, t, N, K); break;
-        case 5: tile_pairs<5>(xr, tiles, bias, yr, t, N, K); break;
-        case 6: tile_pairs<6>(xr, tiles, bias, yr, t, N, K); break;
-        case 7: tile_pairs<7>(xr, tiles, bias, yr, t, N, K); break;
-        case 8: tile_pairs<8>(xr, tiles, bias, yr, t, N, K); break;
-      }
-    }
+  auto pair = [&](int64_t r, int64_t k2) { uint32_t p; std::memcpy(&p, x + r * K + 2 * k2, 4); return p; };
+  over_tiles<uint32_t>(R, N, K / 2, pair,
+                       [&](auto rows, const uint32_t* xt2, int64_t r0, int64_t t) {
+                         tile_pairs<decltype(rows)::value>(xt2, tiles, bias, y + r0 * N, t, N, K);
+                       });
 #else
-  tiled_linear(x, tiles, bias, y, R, N, K);
+  widened(x, tiles, bias, y, R, N, K);
 #endif
 }
 """
