@@ -170,11 +170,12 @@ class MatmulChoice(Result):
 
     def kept_when_compiled(self) -> bool:
         """Whether a compiled decode runs these kernels (frozen) rather than Inductor's. bf16: where every
-        shape is tiled (``cpu-small``'s compiled step on the AMD VM, 128 cached tokens, median of 8 rounds:
-        7.05, 8.11 ms at 1 row, 12.43, 11.01 at 8; Inductor's bf16 GEMMs 7.88, 9.00 and 14.19, 13.91)."""
+        shape is tiled (``cpu-small``'s compiled step, AMD VM, 128 cached tokens, median of 8 rounds: 7.05,
+        8.11 ms at 1 row, 12.43, 11.01 at 8; Inductor's bf16 GEMMs 7.88, 9.00 and 14.19, 13.91)."""
+        if self.dtype != "float32":
+            return all(s.chosen == "tiled" for s in self.rows)
         speedup = self.compiled_speedup()
-        return (all(s.chosen == "tiled" for s in self.rows) if self.dtype != "float32"
-                else speedup is None or speedup > 1)
+        return speedup is None or speedup > 1
 
     def compiled_line(self) -> str:
         speedup = self.compiled_speedup()
@@ -489,8 +490,7 @@ def prepare(model: nn.Module, mode: str = "auto", compiled: bool = False) -> Mat
     Measured on the AMD EPYC VM (2 threads, ``cpu-small`` fp32, compiled step at 128 cached tokens,
     median of 40): 16.6 ms at 1 row and 20.0 at 8 with the chosen oneDNN kernels frozen, against 23.1
     and 54.9 with MKL's packing; one 8192×768 weight took 0.95/1.06 ms (1/8 rows) in oneDNN's and
-    1.12/3.03 ms in MKL's. On the Intel Xeon VM MKL's was the faster (0.80/1.30 ms against
-    0.90/1.58), so there the compiled decode keeps Inductor's."""
+    1.12/3.03 ms in MKL's. On the Intel Xeon VM MKL's was faster (0.80/1.30 ms against 0.90/1.58)."""
     if mode not in MATMUL_MODES:
         raise ValueError(f"matmul must be one of {', '.join(MATMUL_MODES)}, got {mode!r}")
     done = getattr(model, "matmul_choice", None)
