@@ -305,3 +305,41 @@ def test_two_models_of_the_same_shapes_each_decode_with_their_own_weights(monkey
         assert compiled[0].token_ids == eager[0].token_ids
         outs.append(eager[0].token_ids)
     assert outs[0] != outs[1]                                   # the two models do differ
+
+
+@pytest.mark.skipif(not _tiled_builds(), reason="the tiled kernel does not build")
+def test_one_graph_serves_every_row_bucket_from_two_up_when_every_matmul_takes_a_symbolic_row_count(
+        monkeypatch):
+    """With the tiled kernel on every shape the rows of the compiled decode are a dynamic size: decodes of
+    2, 3 and 6 rows (buckets 2, 4, 8) run through one graph, with eager's tokens. With oneDNN's packed
+    kernel kept, whose lowering needs a fixed row count, each bucket keeps its own graph."""
+    from torch._dynamo.utils import counters
+
+    from minillm.engine.engine import LLMEngine
+    from minillm.engine.sampling import SamplingParams
+    from minillm.engine.tokenizer import load_tokenizer
+    tok = load_tokenizer(None)
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    batches = [[[5 + i, 17, 300, 42 + i] for i in range(n)] for n in (2, 3, 6)]
+
+    def tokens(eng):
+        out = []
+        for prompts in batches:
+            rids = [eng.add_request(p, params) for p in prompts]
+            while not all(eng.get(r).finished for r in rids):
+                eng.step()
+            out.append([eng.output_of(eng.pop_finished(r)).token_ids for r in rids])
+        return out
+
+    for kernel, dynamic in (("tiled", True), ("onednn-packed", False)):
+        model = _tiny_model("fp32", seed=4)
+        measured_choice(monkeypatch, model, faster_than_inductor=True, kernel=kernel)
+        eager = tokens(LLMEngine(model, tok, max_batch_size=8, max_model_len=32))
+        torch._dynamo.reset()
+        counters.clear()
+        eng = LLMEngine(model, tok, max_batch_size=8, max_model_len=32, compile=True)
+        assert eng.runner.rows_dynamic is dynamic
+        assert tokens(eng) == eager
+        buckets = {b for b, _ in eng.runner.compile_s}
+        assert buckets == ({2} if dynamic else {2, 4, 8})
+        assert counters["stats"]["unique_graphs"] == len(buckets)

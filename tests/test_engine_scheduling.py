@@ -258,7 +258,14 @@ def test_engine_mixed_steps_logits_equal_recompute(ckpt):
 
 # ---------------------------------------------------------------------------- stale slots
 @pytest.mark.parametrize("static", [False, True])
-def test_poisoned_free_slots_change_nothing(ckpt, static):
+@pytest.mark.parametrize("kernel", [False, True])
+def test_poisoned_free_slots_change_nothing(ckpt, static, kernel, monkeypatch):
+    """Decode rows of different lengths read their positions either through the masked gather (the zero
+    row standing in for what a row does not have) or through the decode attention kernel (each row's own
+    positions only): neither may see a free slot's stale K/V."""
+    from minillm.engine import attention_kernel
+    if kernel and not attention_kernel.available(torch.float32):
+        pytest.skip("the decode attention kernel does not build here")
     d, hf = ckpt
     lengths, new = [5, 23, 11, 40], [8, 6, 9, 5]
     prompts = [rand_prompt(n, 700 + i) for i, n in enumerate(lengths)]
@@ -267,6 +274,7 @@ def test_poisoned_free_slots_change_nothing(ckpt, static):
         llm = make_llm(d, max_batch_size=4, enable_prefix_caching=False)
         eng = llm.engine
         eng.runner.static_decode = static
+        eng.runner.backend.decode_kernel = kernel
         llm.generate([rand_prompt(50, 799)] * 2, greedy(3))         # slots used and freed
         assert eng.allocator.num_free == 4
         if poison:
@@ -277,14 +285,17 @@ def test_poisoned_free_slots_change_nothing(ckpt, static):
                     eng.cache.v[layer][slot, 0::2] = float("nan")
                     eng.cache.v[layer][slot, 1::2] = float("-inf")
         gathers = {"n": 0}
-        real = eng.cache.gather
+        real = eng.cache.gather if not kernel else attention_kernel.run
 
         def counted(*a):
             gathers["n"] += 1
             return real(*a)
-        eng.cache.gather = counted
+        if kernel:
+            monkeypatch.setattr(attention_kernel, "run", counted)
+        else:
+            eng.cache.gather = counted
         outs = llm.generate(prompts, [greedy(n) for n in new])
-        assert gathers["n"] > 0                   # decodes of different lengths took the masked gather
+        assert gathers["n"] > 0                   # decodes of different lengths took the path under test
         return [o.token_ids for o in outs]
 
     clean, poisoned = run(False), run(True)

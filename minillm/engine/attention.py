@@ -18,6 +18,9 @@ What each row reads (state it, the roofline counts bytes):
 - the static (CUDA-graph) decode does the same as the last case with B and max(L) rounded up
   to buckets and the lengths held in tensors, so one captured graph serves every step of that
   shape.
+- on a CPU, beside the chosen decode matmuls, every decode row instead reads exactly its own
+  positions [0, L) from its slot, no copy, no mask, through ``attention_kernel.py`` (Σ L read):
+  SDPA above stays the plain path's and the reference.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from minillm.engine import attention_kernel
 from minillm.engine.kv_cache import KVCache
 
 
@@ -41,6 +45,9 @@ class PrefillChunk:
 class AttentionMetadata:
     write_loc: torch.Tensor                 # [N] flat cache location of every token (padding → trash row)
     num_decode: int = 0                     # decode rows: packed tokens [0, num_decode)
+    # every token is a decode row (the static decode): then the row count is never read, so a compiled
+    # step does not specialise on it and one graph serves every row bucket
+    all_decode: bool = False
     decode_len: int = 0                     # max K/V length among decode rows (sets the read width)
     decode_slots: torch.Tensor | tuple[int, int] | None = None   # [B] or a contiguous range (a, b)
     decode_lens: torch.Tensor | None = None  # [B] per-row K/V length; None = all equal to decode_len
@@ -51,6 +58,8 @@ class AttentionMetadata:
     # derived by AttentionBackend.begin (shared by every layer):
     decode_locs: torch.Tensor | None = None   # [B, decode_len] flat locations, zero row where absent
     decode_mask: torch.Tensor | None = None   # [B, 1, 1, decode_len] True = may attend
+    kernel_slots: torch.Tensor | None = None  # [B] each decode row's slot (the decode attention kernel)
+    kernel_lens: torch.Tensor | None = None   # [B] each decode row's K/V length (the decode attention kernel)
 
 
 def build_metadata(cache: KVCache, decode: list[tuple[int, int]], prefill: list[tuple[int, int, int]],
@@ -153,6 +162,17 @@ def decode_attention_by_reduction(q: torch.Tensor, kc: torch.Tensor, vc: torch.T
     return out.reshape(B, H, D).to(q.dtype)
 
 
+def decode_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each decode row's slot and K/V length as [B] tensors, whichever way the metadata holds them."""
+    slots = meta.decode_slots
+    if isinstance(slots, tuple):
+        slots = torch.arange(*slots, device=meta.write_loc.device)
+    lens = meta.decode_lens
+    if lens is None:
+        lens = torch.full_like(slots, meta.decode_len)
+    return slots, lens
+
+
 class AttentionBackend:
     def __init__(self, cache: KVCache, num_heads: int, num_kv_heads: int, head_dim: int):
         self.cache = cache
@@ -163,11 +183,21 @@ class AttentionBackend:
         # decode attention as sums Inductor fuses with the K/V gather: in a compiled step only
         # (the compiled fp32 CPU decode); an eager step keeps the attention kernel
         self.decode_by_reduction = False
+        # decode attention read straight from each row's cache slot (engine/attention_kernel.py); first
+        # of the three where it is on: the runner turns it on where it is built (CPU, fp32 or bf16)
+        self.decode_kernel = False
 
     # ---- once per forward -----------------------------------------------------------
     def begin(self, meta: AttentionMetadata) -> None:
-        """Derive the gather indices of decode rows of different lengths. Device ops only, no
-        host sync: inside a CUDA graph this is captured and replayed with the step's data."""
+        """Derive what every layer's decode attention shares: each row's slot and length for the
+        decode attention kernel, else the gather indices of rows of different lengths. Device ops
+        only, no host sync: inside a CUDA graph this is captured and replayed with the step's data."""
+        by_reduction = self.decode_by_reduction and torch.compiler.is_compiling()
+        if self.decode_kernel and not by_reduction and (meta.all_decode or meta.num_decode):
+            meta.kernel_slots, meta.kernel_lens = decode_rows(meta)
+            self.meta = meta
+            return
+        meta.kernel_slots = meta.kernel_lens = None
         if meta.decode_lens is not None:
             c = self.cache
             pos = meta.decode_pos if meta.decode_pos is not None else torch.arange(
@@ -184,7 +214,9 @@ class AttentionBackend:
         meta = self.meta
         self.cache.write(layer, meta.write_loc, k, v)
         parts = []
-        if meta.num_decode:
+        if meta.all_decode:
+            parts.append(self._decode(layer, q))
+        elif meta.num_decode:
             parts.append(self._decode(layer, q[:meta.num_decode]))
         for c in meta.prefill:
             parts.append(self._prefill_chunk(layer, q[c.offset:c.offset + c.num_new], c))
@@ -193,6 +225,10 @@ class AttentionBackend:
 
     def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         meta = self.meta
+        if meta.kernel_slots is not None:
+            c = self.cache
+            return attention_kernel.forward(q, c.k_flat[layer], c.v_flat[layer], meta.kernel_slots,
+                                            meta.kernel_lens, c.max_len)                          # [B, H, D]
         if meta.decode_lens is None:
             kc, vc = self.cache.rows(layer, meta.decode_slots, meta.decode_len)           # [B, L, KVH, D]
             mask = None

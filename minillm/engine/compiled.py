@@ -7,9 +7,10 @@ residual adds) into fewer kernels and takes Python off the per-op path. The matm
 stay library calls, so the bytes a step reads do not change: what can shrink is the time outside
 the matmuls.
 
-What is compiled: the runner's static decode (``ModelRunner`` with ``static_decode``), one graph
-per bucket of (rows, K/V length), the shapes CUDA graphs use too; on CUDA the compiled step is
-then captured as a CUDA graph. Prefill steps stay eager (their shapes vary with every prompt).
+What is compiled: the runner's static decode (``ModelRunner`` with ``static_decode``): on a CPU one
+graph per row bucket with the K/V length dynamic, or just two (1 row, and 2 rows up with the rows
+dynamic) where every matmul is the tiled kernel (below); on CUDA one per bucket of (rows, K/V length),
+each then captured as a CUDA graph. Prefill steps stay eager (their shapes vary with every prompt).
 In fp32 on a CPU the compiled step's decode attention is written as sums that Inductor fuses with
 the K/V gather (``attention.decode_attention_by_reduction``, with its measurements); eager steps and
 bf16 keep the attention kernel.
@@ -103,9 +104,15 @@ weights frozen: Inductor lowers oneDNN's packed linear only for a constant weigh
 an opaque operator instead, the layers still compiled as 12 graphs (the layer index the K/V cache
 is read by specialises each), in 11.0 s, and the step ran slower than eager with the same matmuls
 (28.7 against 26.1 ms at 1 row). One graph for every row bucket from 2 up (the rows marked dynamic,
-as the K/V length is) fails twice over: the attention metadata carries the row count as a Python
-int, which specialises it, and Inductor's lowering of oneDNN's packed linear asserts on a symbolic
-row count (torch 2.13.0+cpu, AMD EPYC VM). Nor can the kept kernels do without freezing: unfrozen,
+as the K/V length is) works where every decode matmul is the project's tiled kernel
+(``ModelRunner.rows_dynamic``): its operator takes the row count as a symbol, and the static decode's
+metadata says "every row decodes" instead of holding the count as a Python int (which specialised the
+graph). Measured from an empty kernel cache (``cpu-small``, AMD EPYC VM, 2 threads): fp32 compiled
+the 1-row graph in 17.0 s and the 2-row one in 20.8 s, then ran 4, 8, 16 and 64 rows with no compile
+(first steps 0.5–7.1 s, the decode included); per-request 67.2, 71.4, 68.4, 68.2, 38.9, 12.4 tok/s at
+1, 2, 4, 8, 16, 64 rows in that process. bf16: 18.3 and 18.8 s, then 105.0, 113.2, 112.4, 87.9, 54.6,
+17.3. With oneDNN's packed linear kept it stays one graph per bucket: Inductor's lowering of it asserts
+on a symbolic row count (torch 2.13.0+cpu). Nor can the kept kernels do without freezing: unfrozen,
 their packed weights are graph inputs and the same lowering fails. A second engine on the same model
 with the same bucket and cache shapes does reuse the graph (a first step of 0.3 s against 17.9).
 """

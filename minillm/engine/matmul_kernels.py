@@ -135,7 +135,15 @@ class PackedLinear(nn.Module):
         routes = sorted((int(r), CANDIDATES[n].forward) for r, n in (by_rows or {}).items())
         self._by_n = [next((f for r, f in routes if r >= n), routes[-1][1]) for n in range(routes[-1][0] + 1)
                       ] if routes else []
+        # one kernel at every row count: no lookup, so a graph whose row count is a symbol can call it
+        self._single = c.forward if all(f is c.forward for f in self._by_n) else None
         self.register_buffer("plain", None, persistent=False)   # see reduce_one_row_when_compiled
+
+    def runs_any_row_count(self) -> bool:
+        """Whether one kernel serves every row count and takes it as a symbol (a compiled graph for
+        every row bucket): the tiled kernel's operator does; Inductor's lowering of oneDNN's packed
+        linear asserted on a symbolic row count (torch 2.13.0+cpu)."""
+        return self._single is not None and self.candidate == "tiled"
 
     def reduce_one_row_when_compiled(self) -> None:
         """Also hold the weight plain, for a compiled graph of one row to read it through
@@ -152,6 +160,8 @@ class PackedLinear(nn.Module):
         n = x.numel() // self.in_features                              # rows this step
         if n == 1 and self.plain is not None and torch.compiler.is_compiling():
             return one_row_reduction(x, self.plain, self.bias)         # [..., N], fused by Inductor
+        if self._single is not None:
+            return self._single(x, self.held, self.bias)
         fwd = self._by_n[n] if n < len(self._by_n) else self._by_n[-1] if self._by_n else self._forward
         return fwd(x, self.held, self.bias)                            # [..., K] → [..., N]
 

@@ -16,7 +16,9 @@ same static path runs eagerly, which is how the tests pin it against the dynamic
 
 With ``compile`` (``EngineConfig.compile``), decode steps always take the static path and the
 step is ``torch.compile``d (``minillm.engine.compiled``): on a CPU one graph per row bucket (the
-K/V length is a dynamic size), on CUDA one per bucket (each is captured as a CUDA graph). The
+K/V length is a dynamic size), or one for 1 row and one for every bucket from 2 up where every matmul
+takes its row count as a symbol (``rows_dynamic``); on CUDA one per bucket (each captured as a CUDA
+graph). The
 step that builds a graph pays the compilation, kept in ``compile_s`` (by bucket) and in that
 step's ``StepRecord.compile_ms``.
 """
@@ -33,6 +35,7 @@ import torch._dynamo
 from minillm.core.device import synchronize
 from minillm.core.step_record import StepRecord
 from minillm.core.trace import now_ns
+from minillm.engine import attention_kernel
 from minillm.engine.attention import (
     AttentionBackend,
     AttentionMetadata,
@@ -44,6 +47,7 @@ from minillm.engine.cuda_graphs import GraphPool
 from minillm.engine.kv_cache import KVCache
 from minillm.engine.matmul import decode_attention_in_fp32
 from minillm.engine.matmul import prepare as prepare_matmuls
+from minillm.engine.matmul_kernels import PackedLinear
 from minillm.engine.sampling import (
     Sampler,
     TokenLogprobs,
@@ -76,8 +80,9 @@ class StaticDecode:
         self.tokens, self.positions, self.write_loc, self.slots, self.lens = z(), z(), z(), z(), z()
         self.logits_index = torch.arange(rows, device=device)
         self.kv_pos = torch.arange(kv_len, device=device)                    # [kv_len]
-        self.meta = AttentionMetadata(write_loc=self.write_loc, num_decode=rows, decode_len=kv_len,
-                                      decode_slots=self.slots, decode_lens=self.lens, decode_pos=self.kv_pos)
+        self.meta = AttentionMetadata(write_loc=self.write_loc, num_decode=rows, all_decode=True,
+                                      decode_len=kv_len, decode_slots=self.slots, decode_lens=self.lens,
+                                      decode_pos=self.kv_pos)
         self.cache = cache
 
     def prepare_for_replay(self, tokens: list[int], slots: list[int], cached: list[int]) -> None:
@@ -96,6 +101,12 @@ class StaticDecode:
             dst.copy_(src, non_blocking=True)
 
 
+def rows_can_be_dynamic(model: torch.nn.Module) -> bool:
+    """Every linear layer of ``model`` runs one kernel that takes its row count as a symbol."""
+    linears = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))]
+    return bool(linears) and all(isinstance(m, PackedLinear) and m.runs_any_row_count() for m in linears)
+
+
 class ModelRunner:
     def __init__(self, model, cache: KVCache, max_batch_size: int, *, enforce_eager: bool = False,
                  sync_timing: bool = True, seed: int = 0, compile: bool = False, matmul: str = "aten"):
@@ -105,6 +116,8 @@ class ModelRunner:
         self.matmul_choice = prepare_matmuls(model, matmul, compiled=compile)
         self.backend = AttentionBackend(cache, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self.backend.decode_upcast = decode_attention_in_fp32(model, matmul, self.matmul_choice)
+        # decode attention from each row's cache slot, beside the chosen matmuls (the plain path keeps SDPA)
+        self.backend.decode_kernel = matmul == "auto" and attention_kernel.available(model.dtype, self.device)
         avoid_per_shape_attention_plans(self.device)
         self.sampler = Sampler(self.device, seed)
         self.sync_timing = sync_timing
@@ -128,6 +141,9 @@ class ModelRunner:
             self.backend.decode_by_reduction = (self.device.type == "cpu"
                                                 and model.dtype == torch.float32)
         self.static_decode = self.use_cuda_graphs or compile   # tests turn it on for the CPU
+        # the compiled CPU decode: one graph for 1 row, one for every bucket from 2 rows up, where every
+        # decode matmul takes its row count as a symbol (else one graph per row bucket)
+        self.rows_dynamic = compile and self.device.type == "cpu" and rows_can_be_dynamic(model)
 
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
@@ -231,6 +247,9 @@ class ModelRunner:
                 # ``kv_pos``, marked dynamic. Without it every (rows, L) bucket compiled its own
                 # graph, and with frozen weights (bf16) each held its own packed copy of them.
                 torch._dynamo.mark_dynamic(sd.kv_pos, 0)
+                if B > 1 and self.rows_dynamic:  # one graph for every row bucket from 2 up: rows dynamic
+                    for t in (sd.tokens, sd.positions, sd.write_loc, sd.slots, sd.lens, sd.logits_index):
+                        torch._dynamo.mark_dynamic(t, 0)
         return self._static[key]
 
     def static_kv_len(self, need: int) -> int:
@@ -266,7 +285,7 @@ class ModelRunner:
         step = self._compiled or self._static_step
         key = (sd.rows, sd.kv_len)
         # what a new compilation (or capture) serves: a CUDA graph per bucket, a CPU graph per row count
-        graph = key if self.use_cuda_graphs else sd.rows
+        graph = key if self.use_cuda_graphs else min(sd.rows, 2) if self.rows_dynamic else sd.rows
         first = self.compile and graph not in self._graphs_built
         if first:
             self._graphs_built.add(graph)

@@ -57,11 +57,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 
 import torch
 
-log = logging.getLogger("minillm.engine")
+from minillm.engine.cpp_build import load_cpp
 
 SOURCE = r"""
 #include <cstdint>
@@ -229,11 +228,8 @@ extern "C" void tiled_linear_bf16(const bf16* x, const bf16* tiles, const bf16* 
 @functools.lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
     """The kernel built with Inductor's toolchain and cached on disk by it; None where it cannot be."""
-    try:
-        from torch._inductor.codecache import CppCodeCache
-        lib = CppCodeCache.load(SOURCE)
-    except Exception as e:                # no compiler, no Inductor, a failed build: not a candidate
-        log.info("the tiled decode kernel is not available here: %s", str(e).splitlines()[0][:200])
+    lib = load_cpp(SOURCE, "the tiled decode kernel")
+    if lib is None:
         return None
     for fn in (lib.tiled_linear_f32, lib.tiled_linear_bf16):
         fn.restype = None
@@ -295,7 +291,7 @@ def run(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None) -> torc
 # A compiled graph calls the kernel as one operator (TorchDynamo cannot trace into ctypes). Defined at
 # the library's low level: a call costs about 2 µs more than calling ``run`` directly, where
 # ``torch.library.custom_op``'s wrapper cost 11 µs, about 0.5 ms over ``cpu-small``'s 49 matmuls a step.
-_OPS = torch.library.Library("minillm", "DEF")
+_OPS = torch.library.Library("minillm", "FRAGMENT")
 _OPS.define("tiled_linear(Tensor x, Tensor tiles, Tensor? bias) -> Tensor")
 _OPS.impl("tiled_linear", run, "CPU")
 
