@@ -65,3 +65,20 @@ def test_a_tiled_linear_keeps_its_plain_weight_for_conversion():
     assert torch.equal(packed.weight, lin.weight) and torch.equal(packed.state_dict()["weight"], lin.weight)
     x = torch.randn(5, 64)
     torch.testing.assert_close(packed(x), lin(x), rtol=1e-5, atol=1e-4)
+
+
+def test_the_operators_cpu_kernel_is_registered_from_cpp_and_python_serves_where_that_does_not_build():
+    """Where torch ships its stable C++ operator API the operator's CPU kernel is the C++ one (a compiled
+    graph's C++ wrapper then calls it without entering Python); where a registration fails to build, the
+    kernel alone is built and a Python implementation serves the operator."""
+    import pathlib
+
+    from minillm.engine import cpp_build
+    if pathlib.Path(torch.__file__).parent.joinpath("include/torch/csrc/stable/library.h").exists():
+        assert ".main.cpp" in torch._C._dispatch_dump("minillm::tiled_linear")     # the built C++ source
+    lib = torch.library.Library("minillm_fallback_test", "DEF")
+    lib.define("twice(Tensor x) -> Tensor")
+    built = cpp_build.load_with_operator('extern "C" int answer() { return 42; }', "#error does not build",
+                                         "a test kernel", lib, "twice", lambda x: x * 2)
+    assert built is not None and built.answer() == 42
+    assert torch.equal(torch.ops.minillm_fallback_test.twice(torch.ones(2)), torch.full((2,), 2.0))

@@ -42,10 +42,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 
 import torch
 
-from minillm.engine.cpp_build import load_cpp
+from minillm.engine.cpp_build import load_with_operator
 
 SOURCE = r"""
 #include <cmath>
@@ -118,9 +119,10 @@ static inline void axpy(float* acc, float p, const T* v, int64_t D) {
 
 // Row b's positions [0, L) are cut into chunks, one task per (row, chunk), so that one row alone still
 // keeps every thread busy (flash-decoding's split). A task reads its positions' K/V rows whole and in
-// order, all heads at once: the rows stream from memory as one run of addresses. Each task leaves, per query head, its scores' maximum m, its sum
-// of exp(score - m) and its unnormalised output; the chunks of a row are then merged by rescaling each to
-// the row's maximum. Query head h reads K/V head h / G (G = H / KVH heads share one: GQA).
+// order, all heads at once: the rows stream from memory as one run of addresses. Each task leaves, per
+// query head, its scores' maximum m, its sum of exp(score - m) and its unnormalised output; the chunks of
+// a row are then merged by rescaling each to the row's maximum. Query head h reads K/V head h / G
+// (G = H / KVH heads share one: GQA).
 template <typename T>
 static void attend(const T* q, const T* k, const T* v, const int64_t* slots, const int64_t* lens, T* out,
                    int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t M, float scale) {
@@ -189,12 +191,34 @@ extern "C" void decode_attention_bf16(const bf16* q, const bf16* k, const bf16* 
 }
 """
 
+# The operator's CPU kernel in C++ (cpp_build.py says why): the same call as ``run``.
+OPERATOR = r"""
+static Tensor decode_attention_cpu(Tensor q, Tensor k_flat, Tensor v_flat, Tensor slots, Tensor lens,
+                                   int64_t max_len) {
+  const Tensor qc = torch::stable::contiguous(q), sc = torch::stable::contiguous(slots),
+               lc = torch::stable::contiguous(lens);
+  const int64_t B = qc.size(0), H = qc.size(1), D = qc.size(2), KVH = k_flat.size(1);
+  Tensor out = torch::stable::new_empty(qc, {B, H, D});
+  const float scale = float(1.0 / std::sqrt(double(D)));
+  const int64_t* s = (const int64_t*)sc.data_ptr();
+  const int64_t* l = (const int64_t*)lc.data_ptr();
+  if (B && qc.scalar_type() == torch::headeronly::ScalarType::Float)
+    attend((const float*)qc.data_ptr(), (const float*)k_flat.data_ptr(), (const float*)v_flat.data_ptr(),
+           s, l, (float*)out.data_ptr(), B, H, KVH, D, max_len, scale);
+  else if (B)
+    attend((const bf16*)qc.data_ptr(), (const bf16*)k_flat.data_ptr(), (const bf16*)v_flat.data_ptr(),
+           s, l, (bf16*)out.data_ptr(), B, H, KVH, D, max_len, scale);
+  return out;
+}
+STABLE_TORCH_LIBRARY_IMPL(minillm, CPU, m) { m.impl("decode_attention", TORCH_BOX(&decode_attention_cpu)); }
+"""
+
 KERNELS = {torch.float32: "decode_attention_f32", torch.bfloat16: "decode_attention_bf16"}
 
 
 @functools.lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
-    lib = load_cpp(SOURCE, "the decode attention kernel")
+    lib = load_with_operator(SOURCE, OPERATOR, "the decode attention kernel", _OPS, "decode_attention", run)
     if lib is not None:
         for name in KERNELS.values():
             fn = getattr(lib, name)
@@ -221,7 +245,7 @@ def run(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, slots: torc
     if B:
         getattr(_library(), KERNELS[q.dtype])(qc.data_ptr(), k_flat.data_ptr(), v_flat.data_ptr(),
                                               sc.data_ptr(), lc.data_ptr(), out.data_ptr(),
-                                              B, H, KVH, D, M, D ** -0.5)
+                                              B, H, KVH, D, M, 1.0 / math.sqrt(D))
     return out
 
 
@@ -230,7 +254,6 @@ def run(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, slots: torc
 _OPS = torch.library.Library("minillm", "FRAGMENT")
 _OPS.define("decode_attention(Tensor q, Tensor k_flat, Tensor v_flat, Tensor slots, Tensor lens, "
             "int max_len) -> Tensor")
-_OPS.impl("decode_attention", run, "CPU")
 
 
 @torch.library.register_fake("minillm::decode_attention")

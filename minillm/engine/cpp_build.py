@@ -1,15 +1,34 @@
 """The project's own C++ kernels (``tiled_kernel``, ``attention_kernel``) built with Inductor's toolchain.
 
 ``CppCodeCache`` compiles a source with the flags, OpenMP runtime and on-disk cache that Inductor's
-generated kernels use (about 1.5 s the first time, from the cache after), and loads it with ctypes. Where
-no compiler works, or this torch has no Inductor, the kernel is simply not offered.
+generated kernels use, and loads it with ctypes. Where no compiler works, or this torch has no Inductor,
+the kernel is simply not offered.
+
+Each kernel is also a torch operator, so that a compiled decode calls it as one opaque kernel. Its CPU
+implementation is registered from C++ where torch ships its stable C++ operator API
+(``torch/csrc/stable``, torch 2.9 and later): Inductor's C++ wrapper then calls it through the
+dispatcher without entering Python. Measured on the AMD EPYC VM (torch 2.13.0+cpu): a call from
+Python cost 4.5–6.8 µs against 9.4–10.3 µs through an implementation in Python, and the build 5.2 s
+against 1.5 s (once; the cache keeps it). Where that build fails the operator's implementation is the
+Python function, which calls the same kernel through ctypes.
 """
 from __future__ import annotations
 
 import ctypes
 import logging
+from collections.abc import Callable
+
+import torch
 
 log = logging.getLogger("minillm.engine")
+
+# What a registration needs: the stable API's operator, tensor and library headers.
+STABLE_HEADERS = r"""
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+using torch::stable::Tensor;
+"""
 
 
 def load_cpp(source: str, what: str) -> ctypes.CDLL | None:
@@ -20,3 +39,15 @@ def load_cpp(source: str, what: str) -> ctypes.CDLL | None:
     except Exception as e:                # no compiler, no Inductor, a failed build: not offered
         log.info("%s is not available here: %s", what, str(e).splitlines()[0][:200])
         return None
+
+
+def load_with_operator(source: str, registration: str, what: str, ops: torch.library.Library, name: str,
+                       python_impl: Callable) -> ctypes.CDLL | None:
+    """``source`` built with ``registration`` (C++ that registers operator ``name``'s CPU kernel), or,
+    where that fails, alone, with ``python_impl`` registered as the operator's CPU kernel instead."""
+    lib = load_cpp(source + STABLE_HEADERS + registration, f"{what} as a C++ operator")
+    if lib is None:
+        lib = load_cpp(source, what)
+        if lib is not None:
+            ops.impl(name, python_impl, "CPU")
+    return lib
