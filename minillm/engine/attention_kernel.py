@@ -54,6 +54,7 @@ SOURCE = r"""
 #include <cstring>
 #include <algorithm>
 #include <omp.h>
+#include <type_traits>
 #include <vector>
 
 #ifdef __AVX512F__
@@ -93,6 +94,24 @@ static inline float sum(vec v) {                                // the lanes add
   return v[0];
 }
 
+// e^x, V at a time, for x <= 0 (scores minus their maximum): x = n ln2 + r with |r| <= ln2/2, e^r by its
+// Taylor polynomial to r^7/7! (relative error below 1e-7 there), 2^n put into the float's exponent bits.
+// std::exp one score at a time took about a third of the kernel at 64 rows (an estimate from its count:
+// 98K calls a layer).
+typedef int32_t ivec __attribute__((vector_size(V * sizeof(int32_t))));
+static inline vec vexp(vec x) {
+  x = x < -87.0f ? vec{} - 87.0f : x;                            // below it e^x is under float's smallest
+  const float shifter = 12582912.0f;                             // 1.5 * 2^23: adding it rounds to an integer
+  const vec t = x * 1.44269504f + shifter;
+  const vec n = t - shifter;
+  const vec r = (x - n * 0.693145752f) - n * 1.42860677e-6f;     // ln2 in two parts, for an exact n ln2
+  vec p = vec{} + 1.0f / 5040;
+  for (float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = p * r + c;
+  const ivec bits = (__builtin_convertvector(n, ivec) + 127) << 23;   // 2^n
+  vec scale; std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
 // q·k over D dims (q already in floats), V at a time, then the tail one by one.
 template <typename T>
 __attribute__((optimize("fp-contract=fast")))
@@ -115,6 +134,42 @@ static inline void axpy(float* acc, float p, const T* v, int64_t D) {
     std::memcpy(acc + d, &a, sizeof a);
   }
   for (; d < D; ++d) acc[d] += p * widen(v[d]);
+}
+
+// One query head over a chunk of n positions, for D = DV whole vectors: the query, and the output while the
+// values are summed, stay in registers (the generic loops below reload and store them per position).
+template <int DV, typename T>
+__attribute__((optimize("fp-contract=fast")))
+static void head_scores(const float* qh, const T* kb, int64_t row, int64_t n, float* s) {
+  vec qv[DV];
+  for (int i = 0; i < DV; ++i) qv[i] = load(qh + i * V);
+  for (int64_t j = 0; j < n; ++j) {
+    const T* kj = kb + j * row;
+    vec a = qv[0] * load(kj);
+    for (int i = 1; i < DV; ++i) a += qv[i] * load(kj + i * V);
+    s[j] = sum(a);
+  }
+}
+template <int DV, typename T>
+__attribute__((optimize("fp-contract=fast")))
+static void head_values(const float* p, const T* vb, int64_t row, int64_t n, float* acc) {
+  vec a[DV];
+  for (int i = 0; i < DV; ++i) a[i] = vec{};
+  for (int64_t j = 0; j < n; ++j) {
+    const vec pj = vec{} + p[j];
+    for (int i = 0; i < DV; ++i) a[i] += pj * load(vb + j * row + i * V);
+  }
+  for (int i = 0; i < DV; ++i) std::memcpy(acc + i * V, &a[i], sizeof(vec));
+}
+template <typename T, typename F>
+static bool with_vectors(int64_t D, F&& f) {                  // f(DV) for D = DV vectors, DV in 1, 2, 4, 8
+  switch (D == V ? 1 : D == 2 * V ? 2 : D == 4 * V ? 4 : D == 8 * V ? 8 : 0) {
+    case 1: f(std::integral_constant<int, 1>{}); return true;
+    case 2: f(std::integral_constant<int, 2>{}); return true;
+    case 4: f(std::integral_constant<int, 4>{}); return true;
+    case 8: f(std::integral_constant<int, 8>{}); return true;
+  }
+  return false;
 }
 
 // Row b's positions [0, L) are cut into chunks, one task per (row, chunk), so that one row alone still
@@ -144,8 +199,14 @@ static void attend(const T* q, const T* k, const T* v, const int64_t* slots, con
     const T* vb = v + (slots[b] * M + j0) * row;
     std::vector<float> qf(HD), s(H * n);
     for (int64_t i = 0; i < HD; ++i) qf[i] = widen(q[b * HD + i]) * scale;
-    for (int64_t j = 0; j < n; ++j)                              // scores: each K row read once, all heads
-      for (int64_t h = 0; h < H; ++h) s[h * n + j] = dot(qf.data() + h * D, kb + j * row + (h / G) * D, D);
+    // scores, head by head over the chunk (its K rows stay in the L1/L2 cache for the next head)
+    const bool whole = with_vectors<T>(D, [&](auto dv) {
+      for (int64_t h = 0; h < H; ++h)
+        head_scores<decltype(dv)::value>(qf.data() + h * D, kb + (h / G) * D, row, n, s.data() + h * n);
+    });
+    if (!whole)
+      for (int64_t j = 0; j < n; ++j)
+        for (int64_t h = 0; h < H; ++h) s[h * n + j] = dot(qf.data() + h * D, kb + j * row + (h / G) * D, D);
     float* m = part_of(b, c);
     float* l = m + H;
     float* acc = l + H;
@@ -153,14 +214,27 @@ static void attend(const T* q, const T* k, const T* v, const int64_t* slots, con
       float* sh = s.data() + h * n;
       float mh = sh[0];
       for (int64_t j = 1; j < n; ++j) mh = sh[j] > mh ? sh[j] : mh;
-      float total = 0.0f;
-      for (int64_t j = 0; j < n; ++j) { sh[j] = std::exp(sh[j] - mh); total += sh[j]; }
+      vec totals = vec{};
+      int64_t j = 0;
+      for (; j + V <= n; j += V) {
+        const vec e = vexp(load(sh + j) - mh);
+        std::memcpy(sh + j, &e, sizeof e);
+        totals += e;
+      }
+      float total = sum(totals);
+      for (; j < n; ++j) { sh[j] = std::exp(sh[j] - mh); total += sh[j]; }
       m[h] = mh;
       l[h] = total;
     }
-    std::memset(acc, 0, HD * sizeof(float));
-    for (int64_t j = 0; j < n; ++j)                              // values: each V row read once, all heads
-      for (int64_t h = 0; h < H; ++h) axpy(acc + h * D, s[h * n + j], vb + j * row + (h / G) * D, D);
+    const bool summed = with_vectors<T>(D, [&](auto dv) {       // values, head by head likewise
+      for (int64_t h = 0; h < H; ++h)
+        head_values<decltype(dv)::value>(s.data() + h * n, vb + (h / G) * D, row, n, acc + h * D);
+    });
+    if (!summed) {
+      std::memset(acc, 0, HD * sizeof(float));
+      for (int64_t j = 0; j < n; ++j)
+        for (int64_t h = 0; h < H; ++h) axpy(acc + h * D, s[h * n + j], vb + j * row + (h / G) * D, D);
+    }
   }
   #pragma omp parallel for schedule(static)
   for (int64_t bh = 0; bh < B * H; ++bh) {                     // merge a row's chunks, per query head
