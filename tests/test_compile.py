@@ -263,8 +263,9 @@ def test_decode_attention_by_reduction_computes_the_attention_kernels_result(dty
 
 
 def test_only_the_compiled_fp32_cpu_decode_attends_by_reduction(monkeypatch):
-    """The compiled fp32 runner turns it on, inside its compiled step only (an eager step, such as
-    decode rows beside a prefill chunk, keeps the attention kernel); bf16 and eager keep it off."""
+    """The compiled fp32 runner on the plain path (no decode attention kernel) turns it on, inside its
+    compiled step only (an eager step, such as decode rows beside a prefill chunk, keeps the attention
+    kernel); bf16, eager, and the runner with the decode attention kernel keep it off."""
     import minillm.engine.attention as attention
     from minillm.engine.engine import LLMEngine
     from minillm.engine.sampling import SamplingParams
@@ -284,10 +285,14 @@ def test_only_the_compiled_fp32_cpu_decode_attends_by_reduction(monkeypatch):
     for dtype in ("fp32", "bf16"):
         for compile in (False, True):
             eng = LLMEngine(_tiny_model(dtype, seed=1), tok, max_batch_size=2, max_model_len=32,
-                            compile=compile)
+                            compile=compile, matmul="aten")
             flags[dtype, compile] = eng.runner.backend.decode_by_reduction
     assert flags == {("fp32", False): False, ("fp32", True): True,
                      ("bf16", False): False, ("bf16", True): False}
+    from minillm.engine import attention_kernel
+    if attention_kernel.available(torch.float32):
+        eng = LLMEngine(_tiny_model("fp32", seed=1), tok, max_batch_size=2, max_model_len=32, compile=True)
+        assert eng.runner.backend.decode_kernel and not eng.runner.backend.decode_by_reduction
 
 
 def test_two_models_of_the_same_shapes_each_decode_with_their_own_weights(monkeypatch):

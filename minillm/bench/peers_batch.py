@@ -196,8 +196,11 @@ class MinillmCompiledBatch(MinillmBatch):
     def note(self) -> str:
         if self.llm is None:
             return ""
-        took = self.llm.engine.runner.compile_s.values()
-        return (f"torch.compile, weights frozen per row bucket; {len(took)} buckets compiled in "
+        runner = self.llm.engine.runner
+        took = runner.compile_s.values()
+        graphs = ("one graph for 1 row, one for every bucket from 2 rows up" if runner.rows_dynamic
+                  else "one graph per row bucket")
+        return (f"torch.compile, weights frozen, {graphs}; {len(took)} graphs compiled in "
                 f"{sum(took):.0f} s before the rounds, not timed")
 
 

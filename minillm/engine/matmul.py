@@ -192,7 +192,7 @@ class MatmulChoice(Result):
         """One line: which candidate each weight shape uses, and what a compiled decode runs."""
         how = ("cached" if self.cached else f"measured in {self.seconds:.1f} s") + (
             " on a busy machine: measured again when it is quiet" if self.busy else "")
-        att = f"; decode attention in {self.attention}" if self.attention_us else ""
+        att = f"; SDPA decode attention in {self.attention}" if self.attention_us else ""
         compiled = f"; {self.compiled_line()}" if self.compiled_speedup() is not None else ""
         return (f"decode matmuls ({self.dtype}, {self.threads} threads, {how}): "
                 + ", ".join(f"{s.shape} → {s.described()}" for s in self.rows) + att + compiled)

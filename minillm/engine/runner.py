@@ -137,9 +137,12 @@ class ModelRunner:
                 raise ValueError(f"compile=True, but torch.compile cannot run here: {why}")
             kv_buckets = max(1, cache.max_len.bit_length() - 3)          # 16, 32, … max_len
             self._compiled = compile_step(self._static_step, len(self.row_buckets) * kv_buckets + 4, model)
-            # fp32 on a CPU: attention fused with the K/V gather is faster there (attention.py)
-            self.backend.decode_by_reduction = (self.device.type == "cpu"
-                                                and model.dtype == torch.float32)
+            # fp32 on a CPU without the decode attention kernel (the plain path): attention fused with
+            # the K/V gather is faster there than the gather and SDPA (attention.py). Beside the kernel,
+            # the two ran level (0.99, 0.99, 1.03× at 1, 8, 64 rows) and the kernel's graphs compiled in
+            # 14.5-15.0 s and 16.2-16.4 s at 1 and 2 rows against 19.1-20.8 and 22.6-27.2 (AMD EPYC VM).
+            self.backend.decode_by_reduction = (self.device.type == "cpu" and model.dtype == torch.float32
+                                                and not self.backend.decode_kernel)
         self.static_decode = self.use_cuda_graphs or compile   # tests turn it on for the CPU
         # the compiled CPU decode: one graph for 1 row, one for every bucket from 2 rows up, where every
         # decode matmul takes its row count as a symbol (else one graph per row bucket)

@@ -262,7 +262,7 @@ def path_line(matmul: dict | None, cuda_graphs: bool = False, batches: list[dict
     rows = [b for b in batches or [] if b.get("status") == "ok"]
     compiled = [b for b in rows if b.get("path") == "compiled"]
     if m.get("path") == "compiled":
-        return ("path: compiled decode (torch.compile, weights frozen per row bucket"
+        return ("path: compiled decode (torch.compile, weights frozen"
                 f"{_compile_times(compiled)})")
     if m.get("mode") != "auto" or not m.get("choice"):
         return f"path: plain (torch's F.linear{', CUDA graphs' if cuda_graphs else ''}){m.get('why', '')}"
