@@ -10,7 +10,11 @@ VM, 2 threads, 39 steps): the gather's fused kernel took 56 µs a layer and the 
 1.4 ms of a 6.8 ms step whose 49 matmuls took 4.3 ms. Here a row's positions are cut into chunks
 (a task each, so that one row still keeps every thread busy), each task reads its positions' K/V rows
 whole and in order for all heads at once, with sums in fp32 whatever the cache holds, and the chunks are
-merged (the kernel's comments say how). The same profile with it: 46 µs a layer at 1 row, 198 at 8.
+merged (the kernel's comments say how).
+
+One layer alone, ``cpu-small``'s heads at 128 cached tokens, warm caches, median of 200, 2 threads, µs
+(the gather and SDPA in brackets): fp32 12 (65) at 1 row, 52 (320) at 8, 455–505 (2755–2885) at 64;
+bf16 16 (147), 76 (981–994), 592–598 (8065–8095).
 
 Where it is used, measured in one process with the two paths alternating round by round (``cpu-small``,
 100-token prompts, 48 new tokens, median per-request tok/s of 5 rounds, 2 threads, AMD EPYC VM; the
@@ -19,17 +23,19 @@ ratio is this kernel's rate over the one before it):
 ================  ==========================  ======  ======  ======
 path              before                      B = 1   B = 8   B = 64
 ================  ==========================  ======  ======  ======
-compiled bf16     gather + SDPA (fp32)        1.01    1.05    1.37
-eager fp32        gather + SDPA               1.00    1.08    1.13
-compiled fp32     Inductor's fused reduction  0.94    0.79    0.98
+compiled bf16     gather + SDPA (fp32)        0.98    1.12    1.27
+eager fp32        gather + SDPA               1.16    1.17    1.10
+compiled fp32     Inductor's fused reduction  0.99    0.99    1.03
 ================  ==========================  ======  ======  ======
 
-So the compiled fp32 decode keeps Inductor's reduction (``attention.decode_attention_by_reduction``),
-which reads the cache inside loops fused with the gather's indices, and everything else on a CPU uses
-this kernel. Its weak point, measured alone: a row's K/V comes from memory cold after the step's weight
-stream, and reading 128 positions (256 KB in fp32) took 58–70 µs against 18–26 µs warm; a plain torch
-sum over the same 128 KB of keys took 30 µs cold against 7 warm, so most of that is the memory's
-start-up on this VM, not the kernel's arithmetic.
+The compiled fp32 decode ran level with Inductor's reduction (``attention.decode_attention_by_reduction``),
+and its graphs compiled 4–11 s faster with the kernel (runner.py), so every decode on a CPU beside the
+chosen matmuls uses the kernel; the reduction serves the compiled plain path.
+
+Its weak point: in a step a row's K/V comes from memory cold, after the weight stream. One row's 128
+positions (256 KB in fp32) took 38–54 µs after a 64 MB read or a tiled matmul against 14–22 µs warm; a
+plain torch sum over the same 128 KB of keys took 30 µs cold against 7 warm, so most of that is the
+memory's start-up on this VM, not the kernel's arithmetic.
 
 Rows of the static decode that are padding point at the cache's reserved slot with length 1: they read
 its zero row and give zeros, as the gather did.
