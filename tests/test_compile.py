@@ -348,3 +348,10 @@ def test_one_graph_serves_every_row_bucket_from_two_up_when_every_matmul_takes_a
         buckets = {b for b, _ in eng.runner.compile_s}
         assert buckets == ({2} if dynamic else {2, 4, 8})
         assert counters["stats"]["unique_graphs"] == len(buckets)
+        # an engine of another batch size (another cache size) on the same model: the same graphs, if dynamic
+        other = LLMEngine(model, tok, max_batch_size=4, max_model_len=32, compile=True)
+        rids = [other.add_request(p, params) for p in batches[1]]
+        while not all(other.get(r).finished for r in rids):
+            other.step()
+        assert [other.output_of(other.pop_finished(r)).token_ids for r in rids] == eager[1]
+        assert counters["stats"]["unique_graphs"] == len(buckets) + (0 if dynamic else 1)

@@ -484,7 +484,7 @@ def test_the_path_line_names_the_compiled_batches_and_the_rest():
     rows = [{"batch": 1, "status": "ok", "path": "compiled", "compile_s": 14.2},
             {"batch": 2, "status": "ok", "path": "compiled", "compile_s": 15.9}]
     line = rf.path_line(matmul, False, rows)
-    assert "compiled decode at B = 1, 2" in line and "first compiles 14–16 s per batch" in line
+    assert "compiled decode at B = 1, 2" in line and "first steps 14–16 s per batch" in line
     assert "at B = none" not in line and "faster there than the decode matmuls chosen" in line
     rows.append({"batch": 4, "status": "ok", "path": "packed", "compile_s": None})
     assert rf.path_line(matmul, False, rows).endswith("cached) at B = 4")

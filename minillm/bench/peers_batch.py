@@ -172,8 +172,9 @@ class MinillmBatch(_BatchEngine):
 
 
 class MinillmCompiledBatch(MinillmBatch):
-    """minillm with its compiled decode (engine/compiled.py): one graph per row bucket, each compiled
-    in ``setup`` by a short generate at every batch, so no timed round pays a compile. Its own model,
+    """minillm with its compiled decode (engine/compiled.py): its graphs (one per row bucket, or two where
+    every matmul is the tiled kernel) compiled in ``setup`` by a short generate at every batch, so no timed
+    round pays a compile. Its own model,
     loaded with the same seed (the same weights): compiling swaps the packed matmuls back to plain ones,
     which the eager side keeps."""
     name = "minillm compiled"

@@ -225,8 +225,9 @@ def resolve_path(path: str, enforce_eager: bool, dev: torch.device) -> tuple[str
     - ``plain``: torch's own ``F.linear`` (``--enforce-eager``), the readable reference;
     - ``packed``: the decode matmuls chosen on this machine (engine/matmul.py), eager otherwise;
       on CUDA, CUDA graphs;
-    - ``compiled``: the engine's compiled decode (engine/compiled.py: Inductor, weights frozen and
-      packed per row bucket), one graph per batch, each first compile timed apart;
+    - ``compiled``: the engine's compiled decode (engine/compiled.py: Inductor, weights frozen), one
+      graph per batch, or one for 1 row and one for the rest where every matmul is the tiled kernel
+      (its engines of other batch sizes reuse them); each batch's first step timed apart;
     - ``fastest``: ``packed`` at every batch, then ``compiled`` from the smallest batch up while it is
       faster; each row keeps the faster and both timings (``BatchResult.alternatives``).
 

@@ -147,6 +147,11 @@ class ModelRunner:
         # the compiled CPU decode: one graph for 1 row, one for every bucket from 2 rows up, where every
         # decode matmul takes its row count as a symbol (else one graph per row bucket)
         self.rows_dynamic = compile and self.device.type == "cpu" and rows_can_be_dynamic(model)
+        if self.rows_dynamic:
+            # and the cache's slot count: an engine of another batch size on the same model (the sweep
+            # builds one per batch) then reuses the graphs instead of compiling its own
+            for t in cache.k_flat + cache.v_flat:
+                torch._dynamo.mark_dynamic(t, 0)
 
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()

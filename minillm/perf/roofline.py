@@ -277,8 +277,8 @@ def path_line(matmul: dict | None, cuda_graphs: bool = False, batches: list[dict
                 f"{m.get('why', '')}")
     at = ", ".join(str(b["batch"]) for b in compiled)
     rest = ", ".join(str(b["batch"]) for b in rows if b.get("path") != "compiled")
-    return (f"path: fastest per batch: compiled decode at B = {at} (torch.compile, weights frozen per row "
-            f"bucket{_compile_times(compiled)}); "
+    return (f"path: fastest per batch: compiled decode at B = {at} (torch.compile, weights frozen"
+            f"{_compile_times(compiled)}); "
             + (f"{packed} at B = {rest}" if rest else f"faster there than the {packed}"))
 
 
@@ -287,4 +287,4 @@ def _compile_times(rows: list[dict]) -> str:
     if not s:
         return ""
     span = f"{min(s):.0f}–{max(s):.0f} s" if round(min(s)) != round(max(s)) else f"{s[0]:.0f} s"
-    return f"; first compiles {span} per batch, not timed"
+    return f"; first steps {span} per batch, a compile included where one ran, not timed"
