@@ -52,9 +52,9 @@ import math
 
 import torch
 
-from minillm.engine.cpp_build import load_with_operator
+from minillm.engine.cpp_build import VECTORS, load_with_operator
 
-SOURCE = r"""
+SOURCE = VECTORS + r"""
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -63,25 +63,7 @@ SOURCE = r"""
 #include <type_traits>
 #include <vector>
 
-#ifdef __AVX512F__
-constexpr int64_t V = 16;
-#else
-constexpr int64_t V = 8;
-#endif
-typedef float vec __attribute__((vector_size(V * sizeof(float))));
-typedef uint16_t bf16;
-typedef uint16_t hvec __attribute__((vector_size(V * sizeof(bf16))));
-typedef uint32_t uvec __attribute__((vector_size(V * sizeof(uint32_t))));
-
-static inline vec load(const float* p) { vec v; std::memcpy(&v, p, sizeof v); return v; }
-static inline vec load(const bf16* p) {                         // V bf16 widened to floats (exact)
-  hvec h; std::memcpy(&h, p, sizeof h);
-  return (vec)(__builtin_convertvector(h, uvec) << 16);
-}
-static inline float widen(float v) { return v; }
-static inline float widen(bf16 v) {
-  uint32_t u = uint32_t(v) << 16; float f; std::memcpy(&f, &u, 4); return f;
-}
+// V floats a vector register, load and widen: cpp_build.VECTORS, above this source
 static inline void narrow(float v, float* p) { *p = v; }
 static inline void narrow(float v, bf16* p) {                   // rounded to nearest even, as torch rounds
   uint32_t u; std::memcpy(&u, &v, 4); *p = bf16((u + 0x7FFF + ((u >> 16) & 1)) >> 16);

@@ -22,6 +22,32 @@ import torch
 
 log = logging.getLogger("minillm.engine")
 
+# What both kernels start from: a vector register of floats as GCC's vector type (AVX-512 holds 16, AVX2
+# and NEON pairs 8), and loading floats or bf16 into one (bf16 widened: its bits are a float's top half).
+VECTORS = r"""
+#include <cstdint>
+#include <cstring>
+#ifdef __AVX512F__
+constexpr int64_t V = 16;
+#else
+constexpr int64_t V = 8;
+#endif
+typedef float vec __attribute__((vector_size(V * sizeof(float))));
+typedef uint16_t bf16;          // a bfloat16's bits: the top half of a float's
+typedef uint16_t hvec __attribute__((vector_size(V * sizeof(bf16))));
+typedef uint32_t uvec __attribute__((vector_size(V * sizeof(uint32_t))));
+
+static inline vec load(const float* p) { vec v; std::memcpy(&v, p, sizeof v); return v; }
+static inline vec load(const bf16* p) {                      // V bf16 widened to floats (exact)
+  hvec h; std::memcpy(&h, p, sizeof h);
+  return (vec)(__builtin_convertvector(h, uvec) << 16);
+}
+static inline float widen(float v) { return v; }
+static inline float widen(bf16 v) {
+  uint32_t u = uint32_t(v) << 16; float f; std::memcpy(&f, &u, 4); return f;
+}
+"""
+
 # What a registration needs: the stable API's operator, tensor and library headers.
 STABLE_HEADERS = r"""
 #include <torch/csrc/stable/library.h>

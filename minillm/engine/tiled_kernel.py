@@ -60,37 +60,21 @@ import functools
 
 import torch
 
-from minillm.engine.cpp_build import load_with_operator
+from minillm.engine.cpp_build import VECTORS, load_with_operator
 
-SOURCE = r"""
+SOURCE = VECTORS + r"""
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
 #include <vector>
 
-// One vector register of floats: AVX-512 holds 16, AVX2 and NEON pairs hold 8.
+// V floats a vector register (cpp_build.VECTORS, above this source)
 #ifdef __AVX512F__
-constexpr int64_t V = 16;
 constexpr int MAX_ROWS = 8;     // 2 x 8 accumulators of the 32 registers
 #else
-constexpr int64_t V = 8;
 constexpr int MAX_ROWS = 6;     // 2 x 6 accumulators of AVX2's 16 registers
 #endif
 constexpr int64_t TILE = 2 * V; // output features per tile: two registers of weights per k
-typedef float vec __attribute__((vector_size(V * sizeof(float))));
-typedef uint16_t bf16;          // a bfloat16's bits: the top half of a float's
-typedef uint16_t hvec __attribute__((vector_size(V * sizeof(bf16))));
-typedef uint32_t uvec __attribute__((vector_size(V * sizeof(uint32_t))));
-
-static inline vec load(const float* p) { vec v; std::memcpy(&v, p, sizeof v); return v; }
-static inline vec load(const bf16* p) {                      // V bf16 widened to floats (exact)
-  hvec h; std::memcpy(&h, p, sizeof h);
-  return (vec)(__builtin_convertvector(h, uvec) << 16);
-}
-static inline float widen(float v) { return v; }
-static inline float widen(bf16 v) {
-  uint32_t u = uint32_t(v) << 16; float f; std::memcpy(&f, &u, 4); return f;
-}
 static inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof v); }
 static inline void store(bf16* p, vec v) {                   // rounded to nearest even, as torch rounds
   uvec u = (uvec)v;
