@@ -114,10 +114,10 @@ the 1-row graph in 17.0 s and the 2-row one in 20.8 s, then ran 4, 8, 16 and 64 
 17.3. The cache's slot count is dynamic then too, so an engine of another batch size on the same model
 reuses both graphs (the main job builds one engine per batch: its bf16 sweep from an empty cache took
 71 s against 152 s when each batch compiled its own). With oneDNN's packed linear kept it stays one
-graph per bucket: Inductor's lowering of it asserts
-on a symbolic row count (torch 2.13.0+cpu). Nor can the kept kernels do without freezing: unfrozen,
-their packed weights are graph inputs and the same lowering fails. A second engine on the same model
-with the same bucket and cache shapes does reuse the graph (a first step of 0.3 s against 17.9).
+graph per bucket: Inductor's lowering of it asserts on a symbolic row count (torch 2.13.0+cpu). Nor
+can the kept kernels do without freezing: unfrozen, their packed weights are graph inputs and the same
+lowering fails. A second engine on the same model with the same bucket and cache shapes does reuse the
+graph (a first step of 0.3 s against 17.9).
 """
 from __future__ import annotations
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import logging
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -67,11 +68,19 @@ def load_cpp(source: str, what: str) -> ctypes.CDLL | None:
         return None
 
 
+def stable_api_available() -> bool:
+    """Whether this torch ships the stable C++ operator API's headers. Checked before building, because a
+    build that fails is not cached: without this every process would try it again at start-up."""
+    return (Path(torch.__file__).parent / "include" / "torch" / "csrc" / "stable" / "library.h").exists()
+
+
 def load_with_operator(source: str, registration: str, what: str, ops: torch.library.Library, name: str,
                        python_impl: Callable) -> ctypes.CDLL | None:
     """``source`` built with ``registration`` (C++ that registers operator ``name``'s CPU kernel), or,
     where that fails, alone, with ``python_impl`` registered as the operator's CPU kernel instead."""
-    lib = load_cpp(source + STABLE_HEADERS + registration, f"{what} as a C++ operator")
+    lib = None
+    if stable_api_available():
+        lib = load_cpp(source + STABLE_HEADERS + registration, f"{what} as a C++ operator")
     if lib is None:
         lib = load_cpp(source, what)
         if lib is not None:
