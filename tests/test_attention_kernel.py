@@ -30,6 +30,7 @@ def reference(q, k_flat, v_flat, slots, lens, max_len):
     (1, 4, 4, 16, [1]),                     # one position; no grouping; D of one vector
     (3, 8, 2, 20, [1, 33, 200]),            # D no multiple of a vector; rows of very different lengths
     (5, 6, 3, 32, [31, 32, 33, 64, 65]),    # around the 32-position chunk boundary
+    (2, 14, 2, 64, [16, 47]),               # seven heads share a K/V head (summed four, then three)
 ])
 def test_the_kernel_matches_sdpa_over_each_rows_own_positions(dtype, B, H, KVH, D, lens):
     g = torch.Generator().manual_seed(B * 100 + D)

@@ -80,3 +80,15 @@ def test_the_operators_cpu_kernel_is_registered_from_cpp_and_python_serves_where
                                          "a test kernel", lib, "twice", lambda x: x * 2)
     assert built is not None and built.answer() == 42
     assert torch.equal(torch.ops.minillm_fallback_test.twice(torch.ones(2)), torch.full((2,), 2.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_operator_takes_a_strided_input_and_returns_a_fresh_contiguous_output(dtype):
+    """The C++ operator copies only an input that is not contiguous, and allocates its output itself."""
+    lin = torch.nn.Linear(64, 2 * tiled_kernel.tile_width(), bias=True).to(dtype)
+    tiles = tiled_kernel.pack(lin.weight.detach())
+    x = torch.randn(64, 6).to(dtype).t()                                         # [6, 64], strided
+    assert not x.is_contiguous()
+    y = torch.ops.minillm.tiled_linear(x, tiles, lin.bias.detach())
+    assert y.shape == (6, lin.out_features) and y.is_contiguous() and y.dtype == dtype
+    assert torch.equal(y, tiled_kernel.run(x.contiguous(), tiles, lin.bias.detach()))

@@ -211,12 +211,12 @@ extern "C" void tiled_linear_bf16(const bf16* x, const bf16* tiles, const bf16* 
 # The operator's CPU kernel in C++ (cpp_build.py says why): the same call as ``run``.
 OPERATOR = r"""
 static Tensor tiled_linear_cpu(Tensor x, Tensor tiles, std::optional<Tensor> bias) {
-  const Tensor xc = torch::stable::contiguous(x);
+  const Tensor xc = as_contiguous(x);
   const int64_t K = xc.size(xc.dim() - 1), N = tiles.size(0) * tiles.size(2);
   std::vector<int64_t> shape;
   for (int64_t i = 0; i + 1 < xc.dim(); ++i) shape.push_back(xc.size(i));
   shape.push_back(N);
-  Tensor y = torch::stable::new_empty(xc, shape);                    // [..., N]
+  Tensor y = empty_cpu(xc, shape);                                    // [..., N]
   const int64_t rows = K ? xc.numel() / K : 0;
   if (rows && xc.scalar_type() == torch::headeronly::ScalarType::Float)
     tiled_linear_f32((const float*)xc.data_ptr(), (const float*)tiles.data_ptr(),
