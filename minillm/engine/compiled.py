@@ -111,7 +111,8 @@ graph). Measured from an empty kernel cache (``cpu-small``, AMD EPYC VM, 2 threa
 the 1-row graph in 17.0 s and the 2-row one in 20.8 s, then ran 4, 8, 16 and 64 rows with no compile
 (first steps 0.5–7.1 s, the decode included); per-request 67.2, 71.4, 68.4, 68.2, 38.9, 12.4 tok/s at
 1, 2, 4, 8, 16, 64 rows in that process. bf16: 18.3 and 18.8 s, then 105.0, 113.2, 112.4, 87.9, 54.6,
-17.3. The cache's slot count is dynamic then too, so an engine of another batch size on the same model
+17.3. The cache's slot count is dynamic then too (one size for every layer's K and V: the step says
+they are equal, ``ModelRunner._static_step``), so an engine of another batch size on the same model
 reuses both graphs (the main job builds one engine per batch: its bf16 sweep from an empty cache took
 71 s against 152 s when each batch compiled its own). With oneDNN's packed linear kept it stays one
 graph per bucket: Inductor's lowering of it asserts on a symbolic row count (torch 2.13.0+cpu). Nor

@@ -63,7 +63,9 @@ static inline float widen(bf16 v) {
 # What a registration needs: the stable API's operator, tensor and library headers, and two helpers that
 # keep the dispatcher out of the common case. The stable API's ``contiguous`` and ``new_empty`` each call
 # an operator by name through the dispatcher, even for a tensor that is already contiguous: four such
-# calls for one attention, two for one matmul, 146 a step of ``cpu-small``.
+# calls for one attention, two for one matmul, 146 a step of ``cpu-small``. Measured on a decode step of a
+# 12-layer model with tiny weights (``cpu-small``'s layers at hidden size 128, so the step is its fixed cost
+# alone; compiled bf16, AMD EPYC VM, median of 60): 0.55 ms through the stable API's calls, 0.47 without.
 STABLE_HEADERS = r"""
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
