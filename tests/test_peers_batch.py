@@ -55,8 +55,12 @@ def test_the_table_shows_each_grid_and_names_what_did_not_run(report):
         assert heading in text
     assert "n/a" in text and "minillm ÷ transformers at B = 1, 2:" in text
     assert "llama.cpp: unavailable: llama-batched-bench not found" in text
-    # the bound's buffer read again before each batch of each round: 2 rounds × 2 batches
-    assert len(report.read_drift["samples"]) == 4 and "over 4 samples" in text
+    # the bound's buffer read again before each batch of each round and after each engine's run there:
+    # 2 rounds × 2 batches × (1 + 2 engines), and each run's rate also taken against the read around it
+    assert len(report.read_drift["samples"]) == 12 and "over 12 samples" in text
+    assert all(len(report.get(e, b).read_now) == 2 for e in ("minillm", "transformers") for b in (1, 2))
+    assert "% of the read measured around each run" in text
+    assert "the same, each as a share of the read around its runs:" in text
 
 
 def test_the_report_round_trips_through_json(report):
@@ -102,6 +106,23 @@ def test_the_faster_minillm_path_is_compared_batch_by_batch():
     assert "minillm ÷ llama.cpp at B = 1, 2: 1.25×, 1.20×" in text
     assert "minillm compiled ÷ llama.cpp at B = 1, 2: 2.00×, 0.90×" in text
     assert "minillm, faster path ÷ llama.cpp at B = 1, 2: 2.00×, 1.20×" in text
+
+
+def test_each_run_is_also_taken_against_the_read_measured_around_it():
+    """Hand-computed: the bound is 100 tok/s at a read of 10 GB/s. Our two rounds ran at 80 and 120 tok/s
+    while the memory read 10 and 15 GB/s (so 80 % and 80 % of the bound of that moment); the peer's ran at
+    90 and 90 while it read 15 and 10 (60 % and 90 %). The plain medians say 100 against 90 (1.11×); against
+    the read around each run, 80 % against 75 % (1.07×)."""
+    ours = pb.BatchPeerRow("minillm", 1, samples_tok_s=[80.0, 120.0], read_now=[10e9, 15e9])
+    peer = pb.BatchPeerRow("llama.cpp", 1, samples_tok_s=[90.0, 90.0], read_now=[15e9, 10e9])
+    for r in (ours, peer):
+        pb._finish(r, bound=100.0, read_bw=10e9)
+    assert ours.pct_of_read_now == pytest.approx(0.80) and peer.pct_of_read_now == pytest.approx(0.75)
+    rep = pb.BatchPeerReport("tiny", "cpu", "fp32", 8, 4, 2, 2, 10e9, [1], {"1": 10**8}, [ours, peer])
+    text = rep.table()
+    assert "minillm ÷ llama.cpp at B = 1: 1.11×" in text
+    assert "the same, each as a share of the read around its runs: 1.07×" in text
+    assert pb._finish(pb.BatchPeerRow("x", 1, samples_tok_s=[5.0]), 100.0, 10e9).pct_of_read_now is None
 
 
 # ------------------------------------------------------------------------------ vLLM, in its own Python

@@ -59,6 +59,8 @@ class BatchPeerRow:
     tok_s: float | None = None                  # aggregate, median over the rounds
     spread: float | None = None                 # (max − min) / median
     pct_of_bound: float | None = None           # tok_s ÷ (B × read BW ÷ bytes per step at B)
+    read_now: list[float] = field(default_factory=list)     # B/s read just before and after each round's run
+    pct_of_read_now: float | None = None        # median over the rounds of that round's tok/s ÷ its own bound
 
     @property
     def per_request_tok_s(self) -> float | None:
@@ -92,6 +94,17 @@ class BatchPeerReport(PeerRun):
         got = [r.tok_s for r in (self.get(n, batch) for n in names) if r is not None and r.status == "ok"]
         return max(got) if got else None
 
+    def _ratios_now(self, ours: str, theirs: str) -> str:
+        """ours ÷ theirs at each batch, each engine's rate taken as a share of the read measured around
+        its own runs: on a machine whose memory speed moves in stretches of seconds, two engines' turns
+        of a round can meet different speeds, and the plain ratio then measures the memory as much as them."""
+        cells = []
+        for b in self.batches:
+            a, t = self.get(ours, b), self.get(theirs, b)
+            ok = a and t and a.status == t.status == "ok" and a.pct_of_read_now and t.pct_of_read_now
+            cells.append(f"{a.pct_of_read_now / t.pct_of_read_now:.2f}×" if ok else "-")
+        return ", ".join(cells)
+
     def bound(self, batch: int) -> float:
         return batch * self.read_bw / self.bytes_per_step[str(batch)]
 
@@ -119,6 +132,9 @@ class BatchPeerReport(PeerRun):
                  *self._grid(lambda r: f"{r.per_request_tok_s:.1f}", lambda b: f"{self.bound(b) / b:.1f}"),
                  "% of the bound:",
                  *self._grid(lambda r: f"{100 * r.pct_of_bound:.0f}%")]
+        if any(r.pct_of_read_now for r in self.rows):
+            lines += ["% of the read measured around each run (that moment's bound; median over the rounds):",
+                      *self._grid(lambda r: f"{100 * r.pct_of_read_now:.0f}%" if r.pct_of_read_now else "-")]
         ours = [m for m in ("minillm", "minillm compiled") if self._ran(m)]
         if len(ours) == 2:
             ours.append("minillm, faster path")
@@ -129,6 +145,9 @@ class BatchPeerReport(PeerRun):
                 ratios = [f"{a / b.tok_s:.2f}×" if a and b and b.status == "ok" else "-"
                           for a, b in ((self.ours_tok_s(m, n), self.get(e, n)) for n in self.batches)]
                 lines.append(f"{m} ÷ {e} at B = {', '.join(map(str, self.batches))}: {', '.join(ratios)}")
+                if m == "minillm compiled" or (m == "minillm" and "minillm compiled" not in ours):
+                    lines.append(f"  the same, each as a share of the read around its runs: "
+                                 f"{self._ratios_now(m, e)}")
         for e, note in self.notes.items():
             lines.append(f"  {e}: {note}")
         if self.read_drift.get("samples"):
@@ -397,11 +416,14 @@ class VllmBatch(_BatchEngine):
 
 
 # ------------------------------------------------------------------------------ the run
-def _finish(row: BatchPeerRow, bound: float) -> BatchPeerRow:
+def _finish(row: BatchPeerRow, bound: float, read_bw: float) -> BatchPeerRow:
     if row.status == "ok" and row.samples_tok_s:
         row.tok_s = statistics.median(row.samples_tok_s)
         row.spread = (max(row.samples_tok_s) - min(row.samples_tok_s)) / row.tok_s
         row.pct_of_bound = row.tok_s / bound
+        if len(row.read_now) == len(row.samples_tok_s):     # the bound scaled to the read around each run
+            row.pct_of_read_now = statistics.median(
+                x / (bound * now / read_bw) for x, now in zip(row.samples_tok_s, row.read_now))
     elif row.status == "ok":
         row.status = "failed: no round finished"
     return row
@@ -462,7 +484,7 @@ def run_batch_peers(model: str = "cpu-small", device: str | None = None, dtype: 
         for r in range(rounds):
             order = live[r % len(live):] + live[:r % len(live)] if live else []
             for b in batches:
-                probe.sample()
+                before = probe.sample()            # and between two engines' runs, one sample serves both
                 for e in order:
                     row = rows[(e.name, b)]
                     if row.status != "ok":
@@ -473,6 +495,11 @@ def run_batch_peers(model: str = "cpu-small", device: str | None = None, dtype: 
                         row.samples_tok_s.append(e.aggregate_tok_s(prompts[:b], new_tokens))
                     except Exception as ex:
                         row.status = f"failed in round {r + 1}: {type(ex).__name__}: {ex}"
+                        continue
+                    after = probe.sample()
+                    if before is not None and after is not None:
+                        row.read_now.append((before + after) / 2)
+                    before = after
             if progress:
                 print(f"round {r + 1}/{rounds} done ({time.strftime('%H:%M:%S')})", file=sys.stderr)
     finally:
@@ -480,7 +507,7 @@ def run_batch_peers(model: str = "cpu-small", device: str | None = None, dtype: 
         for e in candidates:
             e.close()
         probe.close()
-    report_rows = [_finish(rows[(e.name, b)], b * read_bw / step_bytes[str(b)])
+    report_rows = [_finish(rows[(e.name, b)], b * read_bw / step_bytes[str(b)], read_bw)
                    for e in candidates for b in batches]
     return BatchPeerReport(str(model), str(dev), dtype_name(dt), prompt_tokens, new_tokens, rounds, threads,
                            read_bw, batches, step_bytes, report_rows, notes,
