@@ -11,9 +11,10 @@ What is compiled: the runner's static decode (``ModelRunner`` with ``static_deco
 graph per row bucket with the K/V length dynamic, or just two (1 row, and 2 rows up with the rows
 dynamic) where every matmul is the tiled kernel (below); on CUDA one per bucket of (rows, K/V length),
 each then captured as a CUDA graph. Prefill steps stay eager (their shapes vary with every prompt).
-In fp32 on a CPU the compiled step's decode attention is written as sums that Inductor fuses with
-the K/V gather (``attention.decode_attention_by_reduction``, with its measurements); eager steps and
-bf16 keep the attention kernel.
+Beside the chosen matmuls the compiled step calls the project's decode attention kernel
+(``engine/attention_kernel.py``), as eager steps do; on the plain path in fp32 its decode attention is
+written as sums that Inductor fuses with the K/V gather (``attention.decode_attention_by_reduction``,
+with its measurements).
 The first step of each bucket pays the compilation; that time is logged and kept in the step's
 ``StepRecord.compile_ms`` and in ``ModelRunner.compile_s``. Eager stays the default and the
 reference: the tests pin compiled tokens against eager ones.
