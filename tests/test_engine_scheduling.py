@@ -670,3 +670,14 @@ def test_top_k_top_p_through_topk_equals_the_full_sort():
     full = _top_k_top_p_sorted(x, ks, ps, 3000)
     assert torch.equal(torch.isinf(fast), torch.isinf(full))
     assert torch.equal(fast[~torch.isinf(fast)], full[~torch.isinf(full)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_ids_are_the_first_maximum_in_every_dtype(dtype):
+    """Greedy decoding takes argmax; on a CPU bf16 logits are upcast first (exact), so ties still go to
+    the first maximal id."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 300, generator=g).to(dtype)                         # [R, V]
+    logits[1, 7] = logits[1, 250] = 50.0                                         # a tie: 7 wins
+    ids = Sampler(torch.device("cpu"), seed=0)(logits, [SamplingParams(temperature=0)] * 5, [None] * 5)
+    assert ids.tolist() == logits.float().argmax(-1).tolist() and ids[1].item() == 7

@@ -127,7 +127,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None]) -> torch.Tensor:
         """logits: [R, V] → token ids [R] (on the device; the caller reads them once)."""
-        greedy_ids = logits.argmax(-1)                                       # [R]
+        # On a CPU, argmax over bf16 is not vectorised: [64, 8192] took 935 µs against 254 µs upcast first
+        # (1 row: 30.5 against 10.6 µs; AMD EPYC VM, 2 threads). The upcast is exact, so the ids are the same.
+        greedy_ids = (logits.float() if logits.device.type == "cpu" else logits).argmax(-1)   # [R]
         if all(p.greedy for p in params):
             return greedy_ids
         x = logits.float()
