@@ -1,6 +1,7 @@
 """The roofline formulas (design.md §3, chapter 10.3) against numbers worked out by hand, and the
 live sweep on the tiny model: well-formed, consistent units, data and figure written and loadable."""
 import math
+import statistics
 
 import pytest
 
@@ -488,3 +489,26 @@ def test_the_path_line_names_the_compiled_batches_and_the_rest():
     assert "at B = none" not in line and "faster there than the decode matmuls chosen" in line
     rows.append({"batch": 4, "status": "ok", "path": "packed", "compile_s": None})
     assert rf.path_line(matmul, False, rows).endswith("cached) at B = 4")
+
+
+def test_the_fastest_path_measures_each_batch_on_both_paths_back_to_back_until_compiled_loses_twice():
+    """The memory's speed can change between two measurements minutes apart, so each batch's compiled
+    decode runs right after its packed one; after two batches in a row where packed was the faster, no
+    more compiles are paid. A fake measurement: compiled faster at 1 and 4, slower at 2, 8 and 16."""
+    from minillm.bench.sweep import BatchResult, _sweep_rows
+    ms = {(1, False): 10, (1, True): 8, (2, False): 10, (2, True): 12, (4, False): 10, (4, True): 9,
+          (8, False): 10, (8, True): 11, (16, False): 10, (16, True): 12, (32, False): 10, (32, True): 1}
+    order = []
+
+    def measure(b, compiled):
+        order.append((b, compiled))
+        r = BatchResult(b, "ok", 128, forward_ms=[ms[(b, compiled)]], engine_ms=[ms[(b, compiled)]],
+                        path="compiled" if compiled else "packed", compile_s=1.0 if compiled else None)
+        r.forward_ms_median = r.engine_ms_median = statistics.median(r.forward_ms)
+        return r
+
+    rows = _sweep_rows(measure, [1, 2, 4, 8, 16, 32], "fastest", None)
+    assert order == [(1, False), (1, True), (2, False), (2, True), (4, False), (4, True),
+                     (8, False), (8, True), (16, False), (16, True), (32, False)]
+    assert [r.path for r in rows] == ["compiled", "packed", "compiled", "packed", "packed", "packed"]
+    assert set(rows[0].alternatives) == {"packed", "compiled"} and rows[5].alternatives == {}

@@ -256,11 +256,14 @@ def resolve_path(path: str, enforce_eager: bool, dev: torch.device) -> tuple[str
 
 def _sweep_rows(measure: Callable[[int, bool], BatchResult], batches: list[int], path: str,
                 desc: str | None) -> list[BatchResult]:
-    """Every batch on ``path`` (``measure(batch, compiled)``); for ``fastest``, packed first, then
-    compiled from the smallest batch up until the packed row was the faster at two batches in a row
-    (past them, the measurements in ``resolve_path`` found it faster still, so no more compiles are
-    paid; one loss alone can be noise: a 10-step median at B = 4 once read 21.4 ms where 20 steps
-    read 17.5)."""
+    """Every batch on ``path`` (``measure(batch, compiled)``). For ``fastest``, each batch runs packed and
+    then, right after it, compiled, from the smallest batch up until the packed row was the faster at two
+    batches in a row (past them, the measurements in ``resolve_path`` found it faster still, so no more
+    compiles are paid; one loss alone can be noise: a 10-step median at B = 4 once read 21.4 ms where 20
+    steps read 17.5). Back to back, because this VM's memory changes speed over seconds to minutes (10.6):
+    when every packed row ran first and the compiled ones after, one fp32 run met 52–55 GB/s for the
+    packed rows and chose them from B = 2 on, where the run before had chosen compiled at every batch but
+    2 and 64."""
     bar = None
     if desc:
         from tqdm.auto import tqdm
@@ -275,26 +278,26 @@ def _sweep_rows(measure: Callable[[int, bool], BatchResult], batches: list[int],
                 bar.set_postfix_str(f"B={b}{' compiled' if compiled else ''}: {r.aggregate_tok_s:.0f} tok/s")
         return r
 
-    results = [one(b, path == "compiled") for b in batches]
-    if path == "fastest":
-        losses = 0
-        for i, r in enumerate(results):
-            if r.status != "ok":
-                continue
-            c = one(r.batch, True)
+    results = []
+    trying, losses = path == "fastest", 0         # compiled beside packed, while it is worth its compiles
+    for b in batches:
+        r = one(b, path == "compiled")
+        if trying and r.status == "ok":
+            c = one(b, True)
             r.alternatives = {"packed": r.timings()}
             if c.status != "ok":
                 r.alternatives["compiled"] = {"status": c.status}
-                break
-            r.alternatives["compiled"] = c.timings()
-            if c.forward_ms_median >= r.forward_ms_median:
-                losses += 1
-                if losses == 2:
-                    break
-                continue
-            losses = 0
-            c.alternatives = r.alternatives
-            results[i] = c
+                trying = False
+            else:
+                r.alternatives["compiled"] = c.timings()
+                if c.forward_ms_median >= r.forward_ms_median:
+                    losses += 1
+                    trying = losses < 2
+                else:
+                    losses = 0
+                    c.alternatives = r.alternatives
+                    r = c
+        results.append(r)
     if bar is not None:
         bar.close()
     return results
