@@ -48,6 +48,47 @@ def test_every_engine_has_a_row_at_every_batch_and_a_missing_peer_is_unavailable
     assert report.bytes_per_step["2"] > report.bytes_per_step["1"]     # the K/V of the second sequence
 
 
+def test_minillm_is_also_timed_over_its_forwards_alone_in_the_same_runs(report):
+    """The companion row: each run's rows ÷ its decode steps' forward time, taken from the same generate, so
+    one sample per round, each faster than the engine's whole-step rate it sits beside."""
+    for b in (1, 2):
+        engine, forward = report.get("minillm", b), report.get("minillm" + pb.FORWARD_ONLY, b)
+        assert forward.status == "ok" and len(forward.samples_tok_s) == len(engine.samples_tok_s) == 2
+        assert all(f > e for f, e in zip(forward.samples_tok_s, engine.samples_tok_s))
+        assert len(forward.read_now) == 2
+    assert report.get("transformers" + pb.FORWARD_ONLY, 1) is None      # a peer keeps no such row
+
+
+def test_the_forward_only_rate_counts_full_decode_steps_after_the_mark():
+    from minillm.bench.decode import forward_tok_s
+    from minillm.core.step_record import PHASES, StepRecord
+
+    def step(i, decode, prefill=0, forward_ms=4.0, **kw):
+        r = StepRecord(i, 0, num_decode_rows=decode, num_prefill_rows=prefill, **kw)
+        for t in (1, 2, 2 + forward_ms, 2 + forward_ms, 9, 10):      # phase ends, ms
+            r.mark(int(t * 1e6))
+        assert len(r.t_ns) == len(PHASES)
+        return r
+
+    records = [step(0, 2, forward_ms=1.0), step(1, 0, prefill=2), step(2, 2), step(3, 2, forward_ms=6.0),
+               step(4, 1), step(5, 2, compile_ms=900.0)]
+    # after step 0: steps 2 and 3 ran both rows and nothing else, 4 + 6 ms for 4 tokens
+    assert forward_tok_s(records, since_step=0, batch=2) == pytest.approx(4 / 0.010)
+    assert forward_tok_s(records, since_step=3, batch=2) is None          # step 5 compiled: not counted
+
+
+def test_against_llama_cpp_the_forward_alone_is_compared_too():
+    """llama-batched-bench times its decode calls alone, so minillm's forward-only rate gets a ratio line
+    against llama.cpp; against transformers, whose rate spans whole generate steps, it does not."""
+    rows = [pb.BatchPeerRow(e, 1, tok_s=t, pct_of_bound=0.5) for e, t in
+            (("minillm compiled", 90.0), ("minillm compiled" + pb.FORWARD_ONLY, 100.0), ("llama.cpp", 80.0),
+             ("transformers", 50.0))]
+    text = pb.BatchPeerReport("tiny", "cpu", "fp32", 8, 4, 1, 2, 1e10, [1], {"1": 10**6}, rows).table()
+    assert "minillm compiled ÷ llama.cpp at B = 1: 1.12×" in text
+    assert "minillm compiled forward only ÷ llama.cpp at B = 1: 1.25×" in text
+    assert "forward only ÷ transformers" not in text and "llama-batched-bench's span" in text
+
+
 def test_the_table_shows_each_grid_and_names_what_did_not_run(report):
     text = report.table()
     for heading in ("aggregate decode tok/s", "per-request tok/s", "% of the bound",

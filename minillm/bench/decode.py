@@ -19,6 +19,7 @@ import torch
 
 from minillm.core.device import dtype_bytes, dtype_name, synchronize
 from minillm.core.result import Col, Result, text_table
+from minillm.core.step_record import PHASES
 from minillm.hardware.machine import (
     decode_read_bytes,
     measure_copy_bandwidth,
@@ -122,6 +123,16 @@ def token_rate(metrics) -> float:
     if not gaps or sum(gaps) <= 0:
         raise RuntimeError(f"request {metrics.request_id} has {len(gaps)} token gaps: no decode rate")
     return len(gaps) / sum(gaps)
+
+
+def forward_tok_s(records, since_step: int, batch: int) -> float | None:
+    """Aggregate tok/s over the forward alone: the decode steps after ``since_step`` that ran all
+    ``batch`` rows and nothing else, their rows ÷ their forward time (forward issue + device wait; on a
+    CPU the issue is the whole forward). None where no such step was recorded."""
+    steps = [r for r in records if r.step > since_step and r.error is None and r.num_prefill_rows == 0
+             and r.num_decode_rows == batch and r.compile_ms is None and len(r.t_ns) == len(PHASES)]
+    seconds = sum(r.phase_ms["forward_issue"] + r.phase_ms["device"] for r in steps) / 1e3
+    return sum(r.num_decode_rows for r in steps) / seconds if steps and seconds > 0 else None
 
 
 def _minillm_decode_tok_s(llm, prompt_ids: list[int], new_tokens: int,

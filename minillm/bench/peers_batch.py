@@ -6,10 +6,16 @@ is a claim about batches: a batch shares that one read, so aggregate tok/s shoul
 compute catches up. Whether an engine's kernels share the read is what this measures, engine by engine:
 
 - minillm: B requests through the engine, greedy; aggregate = Σ over the requests of (N − 1) ÷ (last
-  token − first token) (their decode steps run together, so this is B ÷ the step time);
+  token − first token) (their decode steps run together, so this is B ÷ the step time). Beside it, from
+  the same runs' step records, the rate over the forward alone (``… forward only``): B ÷ the decode
+  steps' forward time, the span ``llama-batched-bench`` times for llama.cpp (below);
 - ``transformers``: ``generate`` on a [B, T] batch; aggregate = B × (N − 1) ÷ (time of tokens 2…N);
 - llama.cpp: its own ``llama-batched-bench`` tool (llama-cpp-python has no API for several sequences)
-  on the GGUF converted from the same weights; aggregate = its ``S_TG t/s`` column. Found at
+  on the GGUF converted from the same weights; aggregate = its ``S_TG t/s`` column. That tool times
+  a decode call and a synchronize per step, nothing else: it samples and detokenizes nothing (its TG loop
+  in ``tools/batched-bench/batched-bench.cpp``, llama-cpp-python 0.3.36's llama.cpp). minillm's engine
+  rate pays for both, 0.3–0.4 ms of a 6–7 ms batch-1 bf16 step of ``cpu-small`` (step records, AMD EPYC
+  VM), so the like-for-like line against it is minillm's forward-only rate. Found at
   ``--llama-batched-bench``, ``$MINILLM_LLAMA_BATCHED_BENCH`` or on the PATH; built with llama.cpp
   (``scripts/engines/build_llama_server.sh`` builds it beside ``llama-server``);
 - vLLM, where its CPU build is installed in a Python of its own (``--vllm-python``,
@@ -39,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from minillm.bench.decode import TokenClock, token_rate
+from minillm.bench.decode import TokenClock, forward_tok_s, token_rate
 from minillm.bench.peers import PeerRun, PeerUnavailable, TransformersEngine, write_gguf
 from minillm.core.device import dtype_bytes, dtype_name, synchronize
 from minillm.core.result import Col, text_table
@@ -109,7 +115,7 @@ class BatchPeerReport(PeerRun):
         return batch * self.read_bw / self.bytes_per_step[str(batch)]
 
     def _grid(self, value, bound=None) -> list[str]:
-        cols = [Col("engine", 22, left=True), *(Col(f"B={b}", 9) for b in self.batches)]
+        cols = [Col("engine", 30, left=True), *(Col(f"B={b}", 9) for b in self.batches)]
         rows = []
         for e in self.engines():
             cells = []
@@ -138,21 +144,31 @@ class BatchPeerReport(PeerRun):
         ours = [m for m in ("minillm", "minillm compiled") if self._ran(m)]
         if len(ours) == 2:
             ours.append("minillm, faster path")
+        path = "minillm compiled" if "minillm compiled" in ours else "minillm"
+        read_lines = (path, path + FORWARD_ONLY)        # each taken against the read around its runs too
         for e in self.engines():
             if e.startswith("minillm") or not self._ran(e):
                 continue
-            for m in ours:
+            # llama-batched-bench times its forwards alone: against it, minillm's forwards alone too
+            like = [m + FORWARD_ONLY for m in ("minillm", "minillm compiled")
+                    if e == "llama.cpp" and self._ran(m + FORWARD_ONLY)]
+            for m in ours + like:
                 ratios = [f"{a / b.tok_s:.2f}×" if a and b and b.status == "ok" else "-"
                           for a, b in ((self.ours_tok_s(m, n), self.get(e, n)) for n in self.batches)]
                 lines.append(f"{m} ÷ {e} at B = {', '.join(map(str, self.batches))}: {', '.join(ratios)}")
-                if m == "minillm compiled" or (m == "minillm" and "minillm compiled" not in ours):
+                if m in read_lines:
                     lines.append(f"  the same, each as a share of the read around its runs: "
                                  f"{self._ratios_now(m, e)}")
         for e, note in self.notes.items():
             lines.append(f"  {e}: {note}")
+        if any(self._ran(e) for e in self.engines() if e.endswith(FORWARD_ONLY)):
+            lines.append(f"  …{FORWARD_ONLY}: the same runs, B ÷ their decode steps' forward time (step "
+                         "records), no scheduling, sampling or detokenizing: llama-batched-bench's span")
         if self.read_drift.get("samples"):
             lines.append(drift_line(self.read_drift))
         for e in self.engines():
+            if e.endswith(FORWARD_ONLY):
+                continue                                 # its status is its engine's, told once
             down = next((r.status for r in self.rows if r.engine == e and r.status != "ok"), None)
             if down:
                 lines.append(f"  {e}: {down}")
@@ -172,11 +188,14 @@ class _BatchEngine:
     def close(self) -> None: ...
 
 
+FORWARD_ONLY = " forward only"      # the companion row of a minillm path: its forward's time alone
+
 class MinillmBatch(_BatchEngine):
     name = "minillm"
 
     def __init__(self, llm):
         self.llm = llm
+        self.last_forward_tok_s: float | None = None     # the last run's rate over its forwards alone
 
     @property
     def note(self) -> str:
@@ -185,8 +204,11 @@ class MinillmBatch(_BatchEngine):
 
     def aggregate_tok_s(self, prompts, new_tokens):
         from minillm.engine.sampling import SamplingParams
+        history = self.llm.engine.step_history
+        since = history[-1].step if history else -1
         outs = self.llm.generate(prompts,
                                  SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True))
+        self.last_forward_tok_s = forward_tok_s(history, since, len(prompts))
         return sum(token_rate(o.metrics) for o in outs)
 
 
@@ -200,7 +222,7 @@ class MinillmCompiledBatch(MinillmBatch):
 
     def __init__(self, make_llm, device: torch.device, batches: list[int], prompts: list[list[int]]):
         self.make_llm, self.device, self.batches, self.prompts = make_llm, device, batches, prompts
-        self.llm = None
+        self.llm, self.last_forward_tok_s = None, None
 
     def setup(self):
         from minillm.engine.compiled import compile_unavailable
@@ -416,6 +438,11 @@ class VllmBatch(_BatchEngine):
 
 
 # ------------------------------------------------------------------------------ the run
+def _companion(engine: _BatchEngine) -> tuple[str, ...]:
+    """The forward-only row a minillm path keeps beside its own (none for a peer)."""
+    return (engine.name + FORWARD_ONLY,) if isinstance(engine, MinillmBatch) else ()
+
+
 def _finish(row: BatchPeerRow, bound: float, read_bw: float) -> BatchPeerRow:
     if row.status == "ok" and row.samples_tok_s:
         row.tok_s = statistics.median(row.samples_tok_s)
@@ -467,7 +494,8 @@ def run_batch_peers(model: str = "cpu-small", device: str | None = None, dtype: 
     if unknown:
         raise ValueError(f"unknown engine(s) {unknown}: {', '.join(made)}")
     candidates = [made[e]() for e in engines]
-    rows = {(e.name, b): BatchPeerRow(e.name, b) for e in candidates for b in batches}
+    names = [n for e in candidates for n in (e.name, *_companion(e))]
+    rows = {(n, b): BatchPeerRow(n, b) for n in names for b in batches}
     live = []
     for e in candidates:                               # set up and warm up at the smallest batch
         try:
@@ -475,11 +503,13 @@ def run_batch_peers(model: str = "cpu-small", device: str | None = None, dtype: 
             e.aggregate_tok_s(prompts[:batches[0]], new_tokens)
             live.append(e)
         except PeerUnavailable as why:
-            for b in batches:
-                rows[(e.name, b)].status = f"unavailable: {why}"
+            for n in (e.name, *_companion(e)):
+                for b in batches:
+                    rows[(n, b)].status = f"unavailable: {why}"
         except Exception as ex:
-            for b in batches:
-                rows[(e.name, b)].status = f"failed: {type(ex).__name__}: {ex}"
+            for n in (e.name, *_companion(e)):
+                for b in batches:
+                    rows[(n, b)].status = f"failed: {type(ex).__name__}: {ex}"
     try:
         for r in range(rounds):
             order = live[r % len(live):] + live[:r % len(live)] if live else []
@@ -496,9 +526,15 @@ def run_batch_peers(model: str = "cpu-small", device: str | None = None, dtype: 
                     except Exception as ex:
                         row.status = f"failed in round {r + 1}: {type(ex).__name__}: {ex}"
                         continue
+                    done = [row]
+                    for n in _companion(e):         # the same run, its forwards' time alone
+                        if e.last_forward_tok_s is not None and rows[(n, b)].status == "ok":
+                            rows[(n, b)].samples_tok_s.append(e.last_forward_tok_s)
+                            done.append(rows[(n, b)])
                     after = probe.sample()
                     if before is not None and after is not None:
-                        row.read_now.append((before + after) / 2)
+                        for d in done:
+                            d.read_now.append((before + after) / 2)
                     before = after
             if progress:
                 print(f"round {r + 1}/{rounds} done ({time.strftime('%H:%M:%S')})", file=sys.stderr)
@@ -507,8 +543,8 @@ def run_batch_peers(model: str = "cpu-small", device: str | None = None, dtype: 
         for e in candidates:
             e.close()
         probe.close()
-    report_rows = [_finish(rows[(e.name, b)], b * read_bw / step_bytes[str(b)], read_bw)
-                   for e in candidates for b in batches]
+    report_rows = [_finish(rows[(n, b)], b * read_bw / step_bytes[str(b)], read_bw)
+                   for n in names for b in batches]
     return BatchPeerReport(str(model), str(dev), dtype_name(dt), prompt_tokens, new_tokens, rounds, threads,
                            read_bw, batches, step_bytes, report_rows, notes,
                            probe.drift(read_bw).to_dict() if probe.samples else {})
