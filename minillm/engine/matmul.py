@@ -66,11 +66,13 @@ from minillm.engine.matmul_kernels import (  # noqa: F401  (_onednn_ok: the test
     CANDIDATES,
     INDUCTOR_FP32,
     ONE_ROW_REDUCTION,
+    TILED_WITHIN,
     PackedLinear,
     _mkl_packed,
     _onednn_ok,
     inductor_packing_timed,
     one_row_reduction,
+    route,
 )
 from minillm.engine.matmul_timing import (  # noqa: F401  (choose_decode_attention: the tests call it here)
     STACK_BYTES,
@@ -277,7 +279,8 @@ def choice_key(shapes: list[tuple[int, int, bool]], dtype: torch.dtype, rows: tu
                heads: tuple[int, int, int] | None = None) -> str:
     what = {"machine": machine_id(), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "dtype": str(dtype), "shapes": sorted(shapes), "rows": list(rows), "heads": heads,
-            "candidates": sorted(CANDIDATES), "routed": "by layout, then by row bucket",
+            "candidates": sorted(CANDIDATES),
+            "routed": f"by layout (tiled within {TILED_WITHIN}), then by row bucket",
             "compiled": INDUCTOR_FP32 if inductor_packing_timed(dtype) else None}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -368,26 +371,6 @@ def time_one_row_reduction(sc: ShapeChoice, dtype: torch.dtype, repeats: int = 3
             samples["kernel"].append(ker)
     sc.reduction_ms = statistics.median(samples["reduction"])
     sc.reduction_beside_ms = statistics.median(samples["kernel"])
-
-
-def route(ms: dict[str, dict[str, float]]) -> tuple[str, dict[str, str]]:
-    """From {candidate: {rows: ms}}: the layout to hold and the kernel each row count runs. Each
-    layout is scored by its fastest candidate at each row count: the geometric mean over the row
-    counts of that time ÷ the best of all there (one slow sample weighs less than in a sum). Returns
-    the held layout's overall best candidate (its name prepares the weight) and {rows: candidate}."""
-    best = {k: min(t[k] for t in ms.values()) for k in next(iter(ms.values()))}
-    layouts: dict[str, dict[str, str]] = {}
-    for name in ms:
-        fastest = layouts.setdefault(CANDIDATES[name].layout, {})
-        for k in best:
-            if k not in fastest or ms[name][k] < ms[fastest[k]][k]:
-                fastest[k] = name
-    score = {lay: math.prod(ms[fastest[k]][k] / best[k] for k in best) ** (1 / len(best))
-             for lay, fastest in layouts.items()}
-    by_rows = layouts[min(score, key=score.get)]
-    in_layout = set(by_rows.values())
-    chosen = min(in_layout, key=lambda n: math.prod(ms[n][k] / best[k] for k in best))
-    return chosen, by_rows
 
 
 def choose(model: nn.Module, rows: tuple[int, ...] | None = None, use_cache: bool = True,

@@ -4,6 +4,7 @@ holds it so. Which one each weight shape runs is chosen per machine by measureme
 ``engine/matmul.py``, which also holds the measurements that chose them."""
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -172,3 +173,36 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, candidate={self.candidate}"
+
+
+# A tiled layout within this factor of the best layout's score is held: where every weight is tiled, the
+# compiled decode is one graph for every bucket from 2 rows up (runner.rows_can_be_dynamic). Measured on the
+# AMD EPYC VM, fp32 cpu-small: a near tie (768x2048: tiled 1.101, oneDNN's 1.075, faster at 1-8 rows, slower
+# at 16-256) held oneDNN's, and `bench --peers --batches --compile` compiled 7 graphs in 76 s, against 2
+# in 23 s with every weight tiled.
+TILED_WITHIN = 1.05
+
+
+def route(ms: dict[str, dict[str, float]]) -> tuple[str, dict[str, str]]:
+    """From {candidate: {rows: ms}}: the layout to hold and the kernel each row count runs. Each
+    layout is scored by its fastest candidate at each row count: the geometric mean over the row
+    counts of that time ÷ the best of all there (one slow sample weighs less than in a sum); the tiled
+    layout wins a near tie (``TILED_WITHIN``). Returns the held layout's overall best candidate (its
+    name prepares the weight) and {rows: candidate}."""
+    best = {k: min(t[k] for t in ms.values()) for k in next(iter(ms.values()))}
+    layouts: dict[str, dict[str, str]] = {}
+    for name in ms:
+        fastest = layouts.setdefault(CANDIDATES[name].layout, {})
+        for k in best:
+            if k not in fastest or ms[name][k] < ms[fastest[k]][k]:
+                fastest[k] = name
+    score = {lay: math.prod(ms[fastest[k]][k] / best[k] for k in best) ** (1 / len(best))
+             for lay, fastest in layouts.items()}
+    held = min(score, key=score.get)
+    tiled = CANDIDATES["tiled"].layout
+    if tiled in score and score[tiled] <= TILED_WITHIN * score[held]:
+        held = tiled
+    by_rows = layouts[held]
+    in_layout = set(by_rows.values())
+    chosen = min(in_layout, key=lambda n: math.prod(ms[n][k] / best[k] for k in best))
+    return chosen, by_rows
