@@ -149,10 +149,9 @@ class BatchPeerReport(PeerRun):
         for e in self.engines():
             if e.startswith("minillm") or not self._ran(e):
                 continue
-            # llama-batched-bench times its forwards alone: against it, minillm's forwards alone too
             like = [m + FORWARD_ONLY for m in ("minillm", "minillm compiled")
                     if e == "llama.cpp" and self._ran(m + FORWARD_ONLY)]
-            for m in ours + like:
+            for m in ours + like:           # llama-batched-bench times its forwards alone: so do ours
                 ratios = [f"{a / b.tok_s:.2f}×" if a and b and b.status == "ok" else "-"
                           for a, b in ((self.ours_tok_s(m, n), self.get(e, n)) for n in self.batches)]
                 lines.append(f"{m} ÷ {e} at B = {', '.join(map(str, self.batches))}: {', '.join(ratios)}")
@@ -189,6 +188,7 @@ class _BatchEngine:
 
 
 FORWARD_ONLY = " forward only"      # the companion row of a minillm path: its forward's time alone
+
 
 class MinillmBatch(_BatchEngine):
     name = "minillm"
