@@ -25,18 +25,19 @@ to B = 8, but reads slowly at 1 and 2 rows; the project's own kernel (``engine/t
 both. On the Intel Xeon MKL was the good one at B = 1, so the choice is made by measurement on the
 machine that runs, never by vendor name.
 
-:func:`choose` times every candidate this torch build offers (:data:`CANDIDATES`) for each weight
-shape of the model at each decode row bucket and one prefill-sized bucket, over a stack of copies larger than
-the cache (a single 12 MB weight would be timed from cache, at a speed decode never sees), and checks each
-against ``F.linear``. A candidate holds its weight in a layout (plain, transposed, oneDNN's blocked one), and
-one layout is held per weight: the one whose fastest candidate at each bucket has the least geometric mean,
-over the buckets, of its time ÷ the best time there (the tiled layout wins a near tie: ``TILED_WITHIN``).
-Then each row bucket runs the fastest candidate of that layout (:attr:`ShapeChoice.by_rows`): on the Intel
-Xeon VM (2 threads, fp32) oneDNN's 1-row kernel read an 8192×768 weight in 0.98 ms against 1.13 ms padded
-to 4 rows, while at 4 rows the padded one won, 1.23 against 1.27 ms. A second layout for the rows where it wins is not held: torch's own ``F.linear`` ran
-``cpu-small``'s batch-1 forward faster there (18.3–19.4 ms against 22.1–22.9, three runs each), but it
-would double the memory the weights take, and at 4 rows and more it costs up to twice the read. The choice
-is cached per machine, torch, threads, dtype and shapes (:func:`cache_path`), so a second run pays nothing.
+:func:`choose` times every candidate this torch build offers (:data:`CANDIDATES`) for each weight shape of
+the model at each decode row bucket and one prefill-sized bucket, over a stack of copies larger than the
+cache (a single 12 MB weight would be timed from cache, at a speed decode never sees), and checks each
+against ``F.linear``. A candidate holds its weight in a layout (plain, transposed, oneDNN's blocked one),
+and one layout is held per weight: the one whose fastest candidate at each bucket has the least geometric
+mean, over the buckets, of its time ÷ the best time there (the tiled layout wins a near tie:
+``TILED_WITHIN``). Then each row bucket runs the fastest candidate of that layout
+(:attr:`ShapeChoice.by_rows`): on the Intel Xeon VM (2 threads, fp32) oneDNN's 1-row kernel read an 8192×768
+weight in 0.98 ms against 1.13 ms padded to 4 rows, while at 4 rows the padded one won, 1.23 against 1.27
+ms. A second layout for the rows where it wins is not held: torch's own ``F.linear`` ran ``cpu-small``'s
+batch-1 forward faster there (18.3–19.4 ms against 22.1–22.9, three runs each), but it would double the
+memory the weights take, and at 4 rows and more it costs up to twice the read. The choice is cached per
+machine, torch, threads, dtype and shapes (:func:`cache_path`), so a second run pays nothing.
 :func:`apply` then swaps the chosen modules for
 :class:`PackedLinear`; the plain ``nn.Linear`` (``EngineConfig.matmul="aten"``, or ``enforce_eager``) stays
 the readable reference, and the tests pin the chosen path's tokens to it.
