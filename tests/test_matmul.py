@@ -185,6 +185,16 @@ def test_a_choice_made_on_a_busy_machine_is_measured_again_once_it_is_quiet(monk
     assert matmul.choose(m, rows=(1,), stack_bytes=2**20).cached
 
 
+def test_a_machine_that_turns_busy_while_the_choice_is_measured_makes_a_busy_choice(monkeypatch):
+    """Quiet just before, busy just after (a job started meanwhile): the timings met that job."""
+    from minillm.hardware.quiet import LoadCheck
+    m = load_model("tiny", torch.device("cpu"), torch.float32, 0)
+    loads = iter([0.02, 1.6])
+    monkeypatch.setattr(matmul, "busy_now", lambda: LoadCheck(next(loads), 2, 0.25))
+    ch = matmul.choose(m, rows=(1,), stack_bytes=2**20)
+    assert ch.busy and ch.load == 1.6
+
+
 def test_a_damaged_cache_file_is_measured_again():
     m = load_model("tiny", torch.device("cpu"), torch.float32, 0)
     first = matmul.choose(m, rows=(1,), stack_bytes=2**20)

@@ -412,12 +412,16 @@ def choose(model: nn.Module, rows: tuple[int, ...] | None = None, use_cache: boo
             ch.attention, ch.attention_us = choose_decode_attention(heads, dtype, tuple(r for r in rows
                                                                                     if r in DECODE_ROWS))
     ch.seconds = time.perf_counter() - t0
-    # the load before measuring (our own threads raise it too); a busy choice is cached but replaced
-    # by the first run on a quiet machine
-    ch.load, ch.busy = before.load1, before.busy
+    # the load before measuring and just after (not during: our own threads raise it). Both, because a
+    # job can start in between: a build that began with the choice was quiet before it, and that bf16
+    # choice held oneDNN's layout for 8192x768 where a quiet one holds the tiled one. A busy choice is
+    # cached but replaced by the first run on a quiet machine.
+    after = busy_now()
+    worse = after if after.load1 > before.load1 else before
+    ch.load, ch.busy = worse.load1, before.busy or after.busy
     if ch.busy:
         log.warning("decode matmuls chosen on a busy machine (%.2f of %d cores busy with other work): "
-                    "measured again when it is quiet", before.load1, before.cores)
+                    "measured again when it is quiet", worse.load1, worse.cores)
     if use_cache:
         _save(ch)
     log.info("%s", ch.summary())
