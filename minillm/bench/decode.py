@@ -19,7 +19,7 @@ import torch
 
 from minillm.core.device import dtype_bytes, dtype_name, synchronize
 from minillm.core.result import Col, Result, text_table
-from minillm.core.step_record import PHASES
+from minillm.core.step_record import FORWARD_PHASES, PHASES
 from minillm.hardware.machine import (
     decode_read_bytes,
     measure_copy_bandwidth,
@@ -131,7 +131,7 @@ def forward_tok_s(records, since_step: int, batch: int) -> float | None:
     CPU the issue is the whole forward). None where no such step was recorded."""
     steps = [r for r in records if r.step > since_step and r.error is None and r.num_prefill_rows == 0
              and r.num_decode_rows == batch and r.compile_ms is None and len(r.t_ns) == len(PHASES)]
-    seconds = sum(r.phase_ms["forward_issue"] + r.phase_ms["device"] for r in steps) / 1e3
+    seconds = sum(r.phase_ms[p] for r in steps for p in FORWARD_PHASES) / 1e3
     return sum(r.num_decode_rows for r in steps) / seconds if steps and seconds > 0 else None
 
 

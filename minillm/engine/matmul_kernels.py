@@ -179,7 +179,7 @@ class PackedLinear(nn.Module):
 # compiled decode is one graph for every bucket from 2 rows up (runner.rows_can_be_dynamic). Measured on the
 # AMD EPYC VM, fp32 cpu-small: a near tie (768x2048: tiled 1.101, oneDNN's 1.075, faster at 1-8 rows, slower
 # at 16-256) held oneDNN's, and `bench --peers --batches --compile` compiled 7 graphs in 76 s, against 2
-# in 23 s with every weight tiled.
+# in 35 s with every weight tiled.
 TILED_WITHIN = 1.05
 
 
