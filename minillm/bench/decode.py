@@ -260,7 +260,8 @@ def matmul_line(runner) -> str:
     """What minillm's decode matmuls were: the choice made on this machine, or the plain path."""
     ch = runner.matmul_choice
     if ch is not None:
-        return ch.summary()
+        pages = getattr(runner, "weight_pages", None)
+        return ch.summary() + (f"; {pages.line()}" if pages is not None else "")
     if runner.compile and runner.device.type == "cpu":
         return "decode matmuls: laid out by Inductor's freezing (MKL's packed sgemm in fp32, oneDNN in bf16)"
     return "decode matmuls: torch's F.linear (the plain path)"

@@ -464,6 +464,7 @@ def restore_plain(model: nn.Module) -> int:
                 setattr(parent, name, lin)
                 n += 1
     model.matmul_choice = None
+    model.weight_pages = None          # the plain weights are torch's own again (engine/weight_pages.py)
     return n
 
 

@@ -58,6 +58,7 @@ from minillm.engine.sampling import (
 )
 from minillm.engine.scheduler import ScheduledBatch
 from minillm.engine.sequence import Sequence
+from minillm.engine.weight_pages import move_to_huge_pages
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +115,8 @@ class ModelRunner:
         self.model, self.cache, self.device = model, cache, model.device
         # decode matmuls that share the weight read across a batch, chosen on this CPU (10.3)
         self.matmul_choice = prepare_matmuls(model, matmul, compiled=compile)
+        # and their weights in 2 MiB pages, which a step streams faster (weight_pages.py measures it)
+        self.weight_pages = move_to_huge_pages(model) if self.matmul_choice is not None else None
         self.backend = AttentionBackend(cache, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self.backend.decode_upcast = decode_attention_in_fp32(model, matmul, self.matmul_choice)
         # decode attention from each row's cache slot, beside the chosen matmuls (the plain path keeps SDPA)
