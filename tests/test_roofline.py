@@ -259,11 +259,18 @@ def test_the_sweep_names_the_path_that_ran(tiny_sweep, monkeypatch, tmp_path):
     picks = [r["chosen"] for r in m["choice"]["rows"]]
     assert picks and set(picks) <= set(CANDIDATES)
     assert "path: decode matmuls chosen on this machine" in tiny_sweep.table()
+    # where the engines held the chosen weights (engine/weight_pages.py), in the JSON and the line
+    if any(p != "aten" for p in picks):
+        pages = m["weight_pages"]
+        assert pages["tensors"] > 0 and pages["nbytes"] > 0 and pages["line"] in tiny_sweep.path_line()
+    else:                                # every shape kept F.linear here: nothing held, nothing moved
+        assert "weight_pages" not in m
     _small_ceilings(monkeypatch, read_value=7.5e9)
     plain = run_sweep(model="tiny", device="cpu", batches=[1], steps=1, warmup=1, progress=False,
                       served=False,
                       enforce_eager=True)
     assert plain.matmul["mode"] == "aten" and plain.matmul["choice"] is None
+    assert "weight_pages" not in plain.matmul                  # the plain path keeps torch's allocation
     assert "path: plain (torch's F.linear) (--enforce-eager)" in plain.table()
     assert rf.path_line(plain.to_dict()["matmul"]) == plain.path_line()
 

@@ -407,6 +407,9 @@ def run_sweep(model: str | None = None, device: str | None = None, dtype: str | 
         return r
 
     results = _sweep_rows(measure, batches, path, f"roofline {model} {dtype_name(dt)}" if progress else None)
+    pages = getattr(m, "weight_pages", None)          # where the engines held the chosen weights
+    if pages is not None:
+        matmul["weight_pages"] = {**asdict(pages), "line": pages.line()}
     if path == "fastest":
         matmul["compiled_up_to"] = max((r.batch for r in results if r.alternatives.get("compiled")),
                                        default=None)

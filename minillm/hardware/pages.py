@@ -61,11 +61,14 @@ def huge_page_empty(nbytes: int) -> torch.Tensor:
 
 
 def huge_page_bytes(t: torch.Tensor) -> int | None:
-    """Bytes of ``t``'s storage that the kernel backs with 2 MiB pages right now, from
-    ``AnonHugePages`` in ``/proc/self/smaps`` (per mapping: each mapping that overlaps the storage
+    """Bytes of ``t`` (of its storage, where it is not contiguous) that the kernel backs with 2 MiB pages
+    right now, from ``AnonHugePages`` in ``/proc/self/smaps`` (each mapping that overlaps those bytes
     counts at most the overlap); None where that cannot be read."""
-    lo = t.untyped_storage().data_ptr()
-    hi = lo + t.untyped_storage().nbytes()
+    if t.is_contiguous():
+        lo, hi = t.data_ptr(), t.data_ptr() + t.nbytes
+    else:
+        lo = t.untyped_storage().data_ptr()
+        hi = lo + t.untyped_storage().nbytes()
     total, overlap = 0, 0
     try:
         with open("/proc/self/smaps") as f:

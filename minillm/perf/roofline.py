@@ -255,7 +255,13 @@ def ceilings_line(c: dict) -> str:
 def path_line(matmul: dict | None, cuda_graphs: bool = False, batches: list[dict] | None = None) -> str:
     """Which decode path a sweep ran, in one line, from its ``matmul`` record and its rows: the plain
     one (torch's F.linear), the matmuls chosen on the machine (engine/matmul.py), the compiled decode
-    (engine/compiled.py), or the fastest of the last two at each batch (bench/sweep.resolve_path)."""
+    (engine/compiled.py), or the fastest of the last two at each batch (bench/sweep.resolve_path); and
+    where the weights were held (engine/weight_pages.py), where the run recorded it."""
+    pages = (matmul or {}).get("weight_pages")
+    return _path(matmul, cuda_graphs, batches) + (f"; {pages['line']}" if pages else "")
+
+
+def _path(matmul: dict | None, cuda_graphs: bool, batches: list[dict] | None) -> str:
     m = matmul or {}
     if not m:
         return "path: not recorded (a run from before the matmul choice)"
