@@ -27,7 +27,7 @@ from torch import nn
 from minillm.engine.matmul_kernels import PackedLinear
 from minillm.hardware.pages import huge_page_bytes, huge_page_empty, thp_mode
 
-ALIGN = 4096                   # each weight starts on its own 4 KiB page, the kernels' loads aligned
+ALIGN = 4096                   # each weight starts on a page of its own (4 KiB)
 
 
 @dataclass(frozen=True)

@@ -456,7 +456,6 @@ def _page_size_note(buf: torch.Tensor) -> str:
     return " in 2 MiB pages" if share > 0.9 else f" in base pages ({share:.0%} in 2 MiB ones)"
 
 
-
 def measure_step_read_bandwidth(device: torch.device | str | None, bytes_per_step: int) -> Measurement | None:
     """Read bandwidth over a buffer the size of one decode step's bytes (at least 1 MiB), read
     again and again as decode re-reads its weights. Where the weights fit in part in the

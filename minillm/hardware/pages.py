@@ -2,7 +2,7 @@
 
 Decode streams every weight once a step. In 4 KiB pages the 164 MB of ``cpu-small``'s bf16 weights
 span 40,000 pages, each a TLB entry the CPU walks the page table for when the stream reaches it; in
-2 MiB pages they span 80. Linux gives a process 2 MiB pages ("transparent huge pages") for the
+2 MiB pages they span about 80. Linux gives a process 2 MiB pages ("transparent huge pages") for the
 memory it marks with ``madvise(MADV_HUGEPAGE)``, or for all of it where the system's mode is
 ``always``; torch's allocator asks for neither, and most distributions ship the mode ``madvise``.
 
