@@ -73,11 +73,13 @@ def huge_page_bytes(t: torch.Tensor) -> int | None:
     try:
         with open("/proc/self/smaps") as f:
             for line in f:
-                head = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
-                if head:
-                    overlap = max(0, min(hi, int(head[2], 16)) - max(lo, int(head[1], 16)))
-                elif overlap and line.startswith("AnonHugePages:"):
-                    total += min(overlap, int(line.split()[1]) * 1024)
-    except OSError:
+                if line[0].isupper():            # a field ("Rss: ..."); a mapping starts with its address
+                    if overlap and line.startswith("AnonHugePages:"):
+                        total += min(overlap, int(line.split()[1]) * 1024)
+                    continue
+                start, _, rest = line.partition("-")
+                end = rest.split(" ", 1)[0]
+                overlap = max(0, min(hi, int(end, 16)) - max(lo, int(start, 16)))
+    except (OSError, ValueError):
         return None
     return total
