@@ -519,3 +519,51 @@ def test_the_fastest_path_measures_each_batch_on_both_paths_back_to_back_until_c
                      (8, False), (8, True), (16, False), (16, True), (32, False)]
     assert [r.path for r in rows] == ["compiled", "packed", "compiled", "packed", "packed", "packed"]
     assert set(rows[0].alternatives) == {"packed", "compiled"} and rows[5].alternatives == {}
+
+
+def test_more_rounds_measure_every_batch_again_in_turn_and_pool_its_samples():
+    """Rounds 2 … N (bench/sweep._more_rounds): the batches in turn, each on the path its first round
+    chose, its samples added to its row; a failed row stays failed, a failed later round keeps the row."""
+    from minillm.bench.sweep import _more_rounds
+    from minillm.bench.sweep_result import BatchResult
+    rows = [BatchResult(1, "ok", 128, forward_ms=[10.0, 10.0], engine_ms=[11.0], path="compiled",
+                        read_bw_now=[3e10]),
+            BatchResult(2, "oom", 128),
+            BatchResult(4, "ok", 128, forward_ms=[12.0], engine_ms=[13.0], served_ms=[14.0], path="packed")]
+    calls = []
+
+    def measure(b, compiled):
+        calls.append((b, compiled))
+        if b == 4 and len(calls) > 2:                  # batch 4's third round fails
+            return BatchResult(b, "error: boom", 128)
+        return BatchResult(b, "ok", 128, forward_ms=[20.0], engine_ms=[21.0], served_ms=[22.0],
+                           read_bw_now=[5e10])
+
+    filled = []
+    _more_rounds(rows, measure, 3, lambda r: filled.append(r.batch))
+    assert calls == [(1, True), (4, False), (1, True), (4, False)]          # in turn, each on its path
+    assert rows[0].forward_ms == [10.0, 10.0, 20.0, 20.0] and rows[0].rounds == 3
+    assert rows[0].served_ms == [] and rows[0].read_bw_now == [3e10, 5e10, 5e10]
+    assert rows[1].status == "oom" and rows[1].rounds == 1
+    assert rows[2].forward_ms == [12.0, 20.0] and rows[2].served_ms == [14.0, 22.0] and rows[2].rounds == 2
+    assert filled == [1, 4, 1]
+    _more_rounds(rows, measure, 1, filled.append)                            # one round: nothing more
+    assert len(calls) == 4
+
+
+def test_a_sweep_in_rounds_says_so_and_its_rows_hold_every_rounds_samples(monkeypatch):
+    from minillm.bench.sweep import run_sweep
+    _small_ceilings(monkeypatch, read_value=7.5e9)
+    res = run_sweep(model="tiny", device="cpu", batches=[1, 2], steps=2, warmup=1, progress=False,
+                    served=False, rounds=2)
+    assert res.rounds == 2 and res.to_dict()["rounds"] == 2
+    assert all(b.rounds == 2 and len(b.forward_ms) == 4 for b in res.batches)
+    assert "each batch measured in 2 rounds" in res.table()
+    with pytest.raises(ValueError, match="rounds"):
+        run_sweep(model="tiny", device="cpu", batches=[1], rounds=0, progress=False)
+
+
+def test_the_roofline_command_refuses_zero_rounds(capsys):
+    from minillm.cli import main
+    assert main(["roofline", "--model", "tiny", "--rounds", "0"]) == 2
+    assert "--rounds must be ≥ 1" in capsys.readouterr().err

@@ -129,6 +129,7 @@ class BatchResult:
     alternatives: dict = field(default_factory=dict)   # path "fastest": each path's timings at this batch
     read_bw_now: list[float] = field(default_factory=list)  # B/s, the memory's read speed sampled just
     #                                         before and after this row (hardware/read_probe.py)
+    rounds: int = 1                           # how many times the batch was measured (run_sweep's rounds)
 
     def timings(self) -> dict:
         """This row's medians, as ``alternatives`` keeps them for each path tried."""
@@ -154,6 +155,7 @@ class SweepResult(RunProvenance):
     knee_note: str = ""                       # what the knee fit found, or why there is no knee
     matmul: dict = field(default_factory=dict)  # the path that ran: mode, each shape's candidate, choice time
     read_drift: dict = field(default_factory=dict)  # the read speed sampled through the run (ReadDrift)
+    rounds: int = 1                           # each batch measured this many times, the batches in turn
 
     def path_line(self) -> str:
         return rf.path_line(self.matmul, self.cuda_graphs,
@@ -193,6 +195,9 @@ class SweepResult(RunProvenance):
         by_path = self.matmul.get("path") == "fastest"       # the path each row ran, when they differ
         hdr += "  path" if by_path else ""
         rows, noisy = [self.ceilings_line(), self.path_line(), hdr], []
+        if self.rounds > 1:
+            rows.insert(2, f"each batch measured in {self.rounds} rounds, the batches in turn: a row's "
+                           f"median spans the whole run")
         for b in self.batches:
             if b.status != "ok":
                 rows.append(f"{b.batch:>5} {b.status}")

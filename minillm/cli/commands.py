@@ -121,6 +121,9 @@ def cmd_roofline(a: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if a.rounds < 1:
+        print(f"error: --rounds must be ≥ 1, got {a.rounds}", file=sys.stderr)
+        return 2
     try:                          # where the figure will go: checked, with --out, before the sweep starts
         figs = figures_dir(a.figures)
     except OSError as e:
@@ -131,7 +134,7 @@ def cmd_roofline(a: argparse.Namespace) -> int:
                     warmup=a.warmup, steps=a.steps, cuda_graphs=not a.no_cuda_graphs,
                     command="python -m minillm " + " ".join(shlex.quote(x) for x in sys.argv[1:]),
                     partial_path=Path(a.out) / "roofline-partial.jsonl", out_dir=a.out, figures_dir=figs,
-                    enforce_eager=a.enforce_eager, path=a.path)
+                    enforce_eager=a.enforce_eager, path=a.path, rounds=a.rounds)
     print(res.table())
     jp, cp = res.write(a.out)
     refs = [load_result(p) for p in (a.reference or [])]

@@ -171,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens cached per sequence (default 128 CPU, 512 GPU)")
     r.add_argument("--warmup", type=int, default=3)
     r.add_argument("--steps", type=int, default=10, help="timed decode steps per batch")
+    r.add_argument("--rounds", type=int, default=1,
+                   help="measure every batch this many times, the batches in turn, each row's median over "
+                        "all of them (a machine whose memory changes speed during the run: 10.6)")
     r.add_argument("--no-cuda-graphs", action="store_true")
     r.add_argument("--path", choices=("fastest", "packed", "compiled"), default="fastest",
                    help="the decode that runs: the matmuls chosen on this machine (packed, "
