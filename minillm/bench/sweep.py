@@ -308,10 +308,10 @@ def _more_rounds(results: list[BatchResult], measure: Callable[[int, bool], Batc
     """Rounds 2 … ``rounds``: every batch measured again on the path its first round settled on, the
     batches in turn, and the samples added to its row, so that each row's median spans the whole run.
     Why: one round measures the batches one after another, and on the project's AMD EPYC VM the memory's
-    read speed moved ×1.35–×2.0 within one ``roofline`` run; batches that met different speeds bend the
-    per-request line where the engine does not (bf16, one round: batch 8 at 73 % of batch 1; the same
-    compiled engine with batches 1, 2, 4, 8 taking turns: 85 %). A compiled batch reuses the graph its
-    first round compiled. A row whose later round fails keeps what it had."""
+    read speed moved ×1.35–×2.3 within one ``roofline`` run, so batches measured once each met different
+    speeds (bf16 ``cpu-small``: batch 8 at 73 % of batch 1 in one round, 79 % over three, in 90 s either
+    way). A compiled batch reuses the graph its first round compiled. A row whose later round fails keeps
+    what it had."""
     for _ in range(rounds - 1):
         for r in results:
             if r.status != "ok":
