@@ -100,7 +100,8 @@ class ReadProbe:
         :attr:`samples`."""
         if not self._on:
             return None
-        bw = measure_read_bandwidth(self.device, nbytes=self.nbytes, repeats=self.passes, warmup=1).value
+        bw = measure_read_bandwidth(self.device, nbytes=self.nbytes, repeats=self.passes, warmup=1,
+                                    name_pages=False).value
         self.samples.append(bw)
         return bw
 
