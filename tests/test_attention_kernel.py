@@ -59,6 +59,29 @@ def test_positions_past_a_rows_length_are_never_read():
     torch.testing.assert_close(got, reference(q, k, v, torch.tensor([0]), torch.tensor([10]), max_len))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_query_rows_that_stand_apart_are_read_in_place(dtype):
+    """A compiled decode hands over q as a view of the rope's output, q and k side by side: rows 16 heads
+    apart. Through the operator (what the graph calls) and the plain call, the same as a packed copy; a
+    q whose heads are not packed is copied first, not misread."""
+    KVH, D, max_len = 4, 64, 48
+    g = torch.Generator().manual_seed(7)
+    k = torch.randn(4 * max_len, KVH, D, generator=g).to(dtype)
+    v = torch.randn(4 * max_len, KVH, D, generator=g).to(dtype)
+    qk = torch.randn(3, 16, D, generator=g).to(dtype)
+    q = qk[:, :12]                                                   # [3, 12, D], rows 16·D apart
+    assert not q.is_contiguous()
+    slots, lens = torch.tensor([3, 0, 1]), torch.tensor([40, 1, 33])
+    want = attention_kernel.run(q.contiguous(), k, v, slots, lens, max_len)
+    assert torch.equal(attention_kernel.run(q, k, v, slots, lens, max_len), want)
+    assert torch.equal(torch.ops.minillm.decode_attention(q, k, v, slots, lens, max_len), want)
+    heads_apart = torch.randn(3, D, 12, generator=g).to(dtype).transpose(1, 2)      # [3, 12, D], D outer
+    assert torch.equal(attention_kernel.run(heads_apart, k, v, slots, lens, max_len),
+                       attention_kernel.run(heads_apart.contiguous(), k, v, slots, lens, max_len))
+    assert torch.equal(torch.ops.minillm.decode_attention(heads_apart, k, v, slots, lens, max_len),
+                       attention_kernel.run(heads_apart.contiguous(), k, v, slots, lens, max_len))
+
+
 def test_a_compiled_graph_calls_the_kernel_as_one_operator():
     from minillm.engine.compiled import compile_unavailable
     if compile_unavailable("cpu"):
