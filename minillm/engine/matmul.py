@@ -62,7 +62,9 @@ import torch
 from torch import nn
 
 from minillm.core.result import Result
+from minillm.engine import attention_kernel, tiled_kernel
 from minillm.engine.config import MATMUL_MODES
+from minillm.engine.cpp_build import build_side_by_side
 from minillm.engine.matmul_kernels import (  # noqa: F401  (_onednn_ok: the tests skip on it)
     CANDIDATES,
     INDUCTOR_FP32,
@@ -491,6 +493,7 @@ def prepare(model: nn.Module, mode: str = "auto", compiled: bool = False) -> Mat
         restore_plain(model)               # the plain path asked for: the model follows the last engine built
     if mode == "aten" or next(model.parameters()).device.type != "cpu":
         return None
+    build_side_by_side(tiled_kernel._library, attention_kernel._library)
     ch = choose(model)
     if compiled and not ch.kept_when_compiled():
         return None
