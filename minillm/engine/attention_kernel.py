@@ -56,11 +56,11 @@ chosen matmuls uses the kernel; the reduction serves the compiled plain path.
 Its weak point: in a step a row's K/V comes from memory cold, after the weight stream. One row's 128
 positions (256 KB in fp32) took 38–54 µs after a 64 MB read or a tiled matmul against 14–22 µs warm; a
 plain torch sum over the same 128 KB of keys took 30 µs cold against 7 warm, so most of that is the
-memory's start-up on this VM, not the kernel's arithmetic. Tried and not kept: each task first reading one
-byte of every cache line of its K and V, a plain stream, before any arithmetic. Timed alone, 12 layers'
-caches, each layer's attention after a 12 MB read (a layer's weights), 144 positions a row, both versions
-built side by side and taken in turn (AMD EPYC VM, 30 rounds, median µs a layer; warm: the same call 200
-times over):
+memory's start-up on this VM, not the kernel's arithmetic. So a task first reads one byte of every cache
+line of its K and V (``touch``), a plain stream the memory serves at its pace, and the arithmetic then
+finds them in the L2 cache. Timed on the AMD EPYC VM with 12 layers' caches, each layer's attention
+after a 12 MB read (a layer's weights), 144 positions a row, both versions built side by side and taken
+in turn (30 rounds, median µs a layer; warm: the same call 200 times over):
 
 ======  ====  ============  =============  ============  =============
 dtype   rows  cold, before  cold, touched  warm, before  warm, touched
@@ -73,16 +73,18 @@ fp32    8     161.9         130.0          41.6          52.5
 fp32    64    1157.3        909.3          687.9         520.5
 ======  ====  ============  =============  ============  =============
 
-Profiled inside the compiled bf16 decode of ``cpu-small`` (128 cached tokens, 20 steps) the kernel went from
-24.3 to 19.3 µs a layer at 1 row and from 119.8 to 88.3 at 8, but the matmuls after it took longer, and the
-step did not move: with the touch switched on and off between rounds in one process (12 rounds of 10 steps,
-paired), the step ran 1.018× and 1.002× as fast at 1 and 8 rows in bf16, 1.011× and 1.018× in fp32, each
-within rounds ranging 0.83–1.21×. The memory's time is the step's, whichever kernel waits for it. Prefetch
-instructions (the whole chunk at once, or 16 to 32 positions ahead) and reading each position's heads
-together instead of one K/V head at a time gained nothing even alone (101.6–107.7 and 103.4 µs against
-100.7 and 101.3 at 8 rows, bf16). What was kept: a q whose rows stand apart is read in place (``attend``'s
-comment says where such a q comes from); at 8 rows the compiled graph had copied it before every call
-(9.4 µs a layer).
+The touch costs a little where the lines are already cached, and a decode step never finds them there.
+Inside the compiled decode of ``cpu-small`` (128 cached tokens) the gain mostly moves: profiled in bf16 (20
+steps) the kernel went from 24.3 to 19.3 µs a layer at 1 row and from 119.8 to 88.3 at 8, and the matmuls
+after it took longer. The step as a whole, with the touch switched on and off between rounds in one process
+(12 rounds of 10 steps, paired): 1.018× and 1.002× as fast at 1 and 8 rows in bf16, 1.011× and 1.018× in fp32
+(2 threads), 1.039× and 1.019× in fp32 on one thread; every median above 1, every one within rounds ranging
+0.83–1.21×. The memory's time is the step's, whichever kernel waits for it: a small gain, kept because it
+costs nothing. Prefetch instructions in its place (the whole chunk at once, or 16 to 32 positions ahead) and
+reading each position's heads together instead of one K/V head at a time gained nothing even alone
+(101.6–107.7 and 103.4 µs against 100.7 and 101.3 at 8 rows, bf16). A q whose rows stand apart is read in
+place (``attend``'s comment says where such a q comes from); at 8 rows the compiled graph had copied it
+before every call (9.4 µs a layer).
 
 Rows of the static decode that are padding point at the cache's reserved slot with length 1: they read
 its zero row and give zeros, as the gather did.
@@ -275,6 +277,11 @@ static bool with_vectors(int64_t D, F&& f) {                  // f(DV) for D = D
   return false;
 }
 
+// Every cache line of [p, p + bytes) read once, before any arithmetic on it: see the module docstring
+static inline void touch(const void* p, int64_t bytes) {
+  for (const char* c = (const char*)p, *e = c + bytes; c < e; c += 64) (void)*(const volatile char*)c;
+}
+
 // Row b's positions [0, L) are cut into chunks, one task per (row, chunk), so that one row alone still
 // keeps every thread busy (flash-decoding's split). A task reads its positions' K/V rows whole and in
 // order, all heads at once: the rows stream from memory as one run of addresses. Each task leaves, per
@@ -302,6 +309,8 @@ static void attend(const T* q, int64_t qs, const T* k, const T* v, const int64_t
     if (n <= 0) continue;
     const T* kb = k + (slots[b] * M + j0) * row;
     const T* vb = v + (slots[b] * M + j0) * row;
+    touch(kb, n * row * sizeof(T));
+    touch(vb, n * row * sizeof(T));
     std::vector<float> qf(HD), s(H * n);
     const T* qb = q + b * qs;
     int64_t i = 0;
