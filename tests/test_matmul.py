@@ -160,6 +160,9 @@ def test_the_choice_is_cached_and_reused(monkeypatch):
     assert again.cached and again.key == first.key
     assert [s.chosen for s in again.rows] == [s.chosen for s in first.rows]
     assert "cached" in again.summary()
+    # the attention the engine runs is named: the project's kernel where it builds, else SDPA's measured way
+    from minillm.engine import attention_kernel
+    assert ("the project's kernel" in again.summary()) == attention_kernel.available(torch.float32)
 
 
 def test_the_cache_is_invalidated_by_another_model_or_machine(monkeypatch):

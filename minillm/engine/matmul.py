@@ -197,7 +197,10 @@ class MatmulChoice(Result):
         """One line: which candidate each weight shape uses, and what a compiled decode runs."""
         how = ("cached" if self.cached else f"measured in {self.seconds:.1f} s") + (
             " on a busy machine: measured again when it is quiet" if self.busy else "")
-        att = f"; SDPA decode attention in {self.attention}" if self.attention_us else ""
+        # the project's attention kernel runs where it builds; the measured SDPA choice is its stand-in
+        kernel = attention_kernel.available(getattr(torch, self.dtype))
+        att = ("; decode attention: the project's kernel" if kernel
+               else f"; SDPA decode attention in {self.attention}" if self.attention_us else "")
         compiled = f"; {self.compiled_line()}" if self.compiled_speedup() is not None else ""
         return (f"decode matmuls ({self.dtype}, {self.threads} threads, {how}): "
                 + ", ".join(f"{s.shape} → {s.described()}" for s in self.rows) + att + compiled)
