@@ -36,6 +36,16 @@ Widened to floats, a bf16 weight costs the arithmetic of an fp32 one for half th
 the kernel ran out of arithmetic; where the CPU has AVX512-BF16 the tile holds k and k+1 side by side
 and one instruction adds both products.
 
+Even so, at 8 rows a bf16 step is bound by this arithmetic on the AMD EPYC VM, not by the read. The compiled
+bf16 decode of ``cpu-small`` (128 cached tokens, 2 threads, 12 rounds of 10 steps in one process) took 6.9
+ms at 1 row and 9.6 at 8 while the memory was slow, 4.9 and 8.4 while it was fast: batch 1 follows the
+memory, batch 8 stays near 8–10 ms, so per request batch 8 kept 72 % of batch 1 in one stretch and 58 % in
+the other (the crossover B* moves down as the bandwidth goes up: chapter 10.3). Tried and not kept: asking
+for the weights' lines 2 KB ahead from 5 rows up (``_mm_prefetch``). Alone, over 12 copies of an 8192×768
+weight, it took 0.519 against 0.580 ms at 8 rows, 0.527 against 0.572 at 6 (medians of 25, in turn), and
+nothing below 5 rows; in the step, switched on and off between rounds, 1.026× and 1.046× as fast at 8 rows,
+but 1.045× and 1.055× at 4 rows where it does not run: not told apart from the rounds' drift.
+
 The layout: the weight [N, K] is cut into tiles of ``TILE`` output features, and each tile is stored
 K-major, [N/TILE, K, TILE]. One tile's K×TILE block is one contiguous stream. For each k the kernel
 loads TILE weights (two vector registers) and, for each of the R rows, broadcasts x[r, k] and adds
