@@ -85,17 +85,28 @@ class StaticDecode:
                                       decode_len=kv_len, decode_slots=self.slots, decode_lens=self.lens,
                                       decode_pos=self.kv_pos)
         self.cache = cache
+        # On a CPU the step's values are written through numpy views of the buffers: no torch call. Right
+        # after a forward has streamed the weights through the caches the host's code runs cold, and one
+        # tensor and five copies took 0.130 ms a step there (bf16 cpu-small, batch 1, median of 300 steps,
+        # AMD EPYC VM), the views 0.076 ms (chapter 10.5: the time outside the forward).
+        buffers = (self.tokens, self.positions, self.write_loc, self.slots, self.lens)
+        self._host_views = [t.numpy() for t in buffers] if device.type == "cpu" else None
 
     def prepare_for_replay(self, tokens: list[int], slots: list[int], cached: list[int]) -> None:
         """Copy one step's values in; rows past len(tokens) are padding (reserved slot, trash row)."""
         c, pad = self.cache, self.rows - len(tokens)
-        host = torch.tensor([
+        values = [
             tokens + [0] * pad,
             cached + [0] * pad,                                              # position = cached length
             [c.loc(s, L) for s, L in zip(slots, cached)] + [c.trash_loc] * pad,
             slots + [c.reserved_slot] * pad,
             [L + 1 for L in cached] + [1] * pad,                             # read the new token too
-        ], dtype=torch.long)
+        ]
+        if self._host_views is not None:
+            for view, v in zip(self._host_views, values):
+                view[:] = v
+            return
+        host = torch.tensor(values, dtype=torch.long)
         if self.tokens.device.type == "cuda":
             host = host.pin_memory()
         for dst, src in zip((self.tokens, self.positions, self.write_loc, self.slots, self.lens), host):
