@@ -131,9 +131,10 @@ def build_side_by_side(*loaders: Callable[[], object]) -> None:
     the attention kernel 3.3 s. Builds nothing that is not built anyway, and never raises: a loader that
     fails here fails again, with its message, where it is used."""
     with ThreadPoolExecutor(max_workers=max(1, min(len(loaders) or 1, os.cpu_count() or 1))) as pool:
-        list(pool.map(bool, _vector_isas_to_check()))
-        for f in [pool.submit(load) for load in loaders]:
-            f.exception()
+        # the checks first: each kernel's build asks for their answer
+        for jobs in ([(bool, isa) for isa in _vector_isas_to_check()], [(load,) for load in loaders]):
+            for f in [pool.submit(*job) for job in jobs]:
+                f.exception()                                       # waits; an error is not raised here
 
 
 def _vector_isas_to_check() -> list:
