@@ -130,7 +130,7 @@ def build_side_by_side(*loaders: Callable[[], object]) -> None:
     (``cpu-small`` fp32, AMD EPYC VM, 2 cores) Inductor's checks took 10.6 s, the tiled matmul 3.0 s and
     the attention kernel 3.3 s. Builds nothing that is not built anyway, and never raises: a loader that
     fails here fails again, with its message, where it is used."""
-    with ThreadPoolExecutor(max_workers=max(1, min(len(loaders) or 1, os.cpu_count() or 1))) as pool:
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         # the checks first: each kernel's build asks for their answer
         for jobs in ([(bool, isa) for isa in _vector_isas_to_check()], [(load,) for load in loaders]):
             for f in [pool.submit(*job) for job in jobs]:

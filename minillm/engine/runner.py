@@ -89,8 +89,8 @@ class StaticDecode:
         # after a forward has streamed the weights through the caches the host's code runs cold, and one
         # tensor and five copies took 0.130 ms a step there (bf16 cpu-small, batch 1, median of 300 steps,
         # AMD EPYC VM), the views 0.076 ms (chapter 10.5: the time outside the forward).
-        buffers = (self.tokens, self.positions, self.write_loc, self.slots, self.lens)
-        self._host_views = [t.numpy() for t in buffers] if device.type == "cpu" else None
+        self._buffers = (self.tokens, self.positions, self.write_loc, self.slots, self.lens)
+        self._host_views = [t.numpy() for t in self._buffers] if device.type == "cpu" else None
 
     def prepare_for_replay(self, tokens: list[int], slots: list[int], cached: list[int]) -> None:
         """Copy one step's values in; rows past len(tokens) are padding (reserved slot, trash row)."""
@@ -109,7 +109,7 @@ class StaticDecode:
         host = torch.tensor(values, dtype=torch.long)
         if self.tokens.device.type == "cuda":
             host = host.pin_memory()
-        for dst, src in zip((self.tokens, self.positions, self.write_loc, self.slots, self.lens), host):
+        for dst, src in zip(self._buffers, host):
             dst.copy_(src, non_blocking=True)
 
 
