@@ -36,6 +36,28 @@ def test_the_kernel_computes_f_linear_for_every_row_count(bias, dtype):
     assert tiled_kernel.run(x3[:, :0], tiles, b).shape == (2, 0, 3 * tw)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reading_the_weights_ahead_changes_no_bit_of_the_answer(dtype):
+    """The read-ahead only asks for lines early: every row count gives the same bits with it on for
+    every row count (1), at its default, and off (a row count no group reaches)."""
+    g = torch.Generator().manual_seed(1)
+    tw = tiled_kernel.tile_width()
+    w = torch.randn(4 * tw, 96, generator=g).to(dtype)
+    tiles = tiled_kernel.pack(w)
+    default = tiled_kernel.read_ahead_from_rows(1)
+    try:
+        for rows in [1, 5, 6, 8, 9, 16, 17]:
+            x = torch.randn(rows, 96, generator=g).to(dtype)
+            got = {}
+            for setting in (1, default, 10_000):
+                tiled_kernel.read_ahead_from_rows(setting)
+                got[setting] = tiled_kernel.run(x, tiles, None)
+            assert torch.equal(got[1], got[default]) and torch.equal(got[1], got[10_000])
+    finally:
+        assert tiled_kernel.read_ahead_from_rows(default) == 10_000
+    assert tiled_kernel.read_ahead_from_rows(default) == default
+
+
 def test_tiles_go_back_to_the_weight_and_a_ragged_weight_is_refused():
     tw = tiled_kernel.tile_width()
     w = torch.randn(2 * tw, 48)

@@ -36,15 +36,25 @@ Widened to floats, a bf16 weight costs the arithmetic of an fp32 one for half th
 the kernel ran out of arithmetic; where the CPU has AVX512-BF16 the tile holds k and k+1 side by side
 and one instruction adds both products.
 
-Even so, at 8 rows a bf16 step is bound by this arithmetic on the AMD EPYC VM, not by the read. The compiled
-bf16 decode of ``cpu-small`` (128 cached tokens, 2 threads, 12 rounds of 10 steps in one process) took 6.9
-ms at 1 row and 9.6 at 8 while the memory was slow, 4.9 and 8.4 while it was fast: batch 1 follows the
-memory, batch 8 stays near 8–10 ms, so per request batch 8 kept 72 % of batch 1 in one stretch and 58 % in
-the other (the crossover B* moves down as the bandwidth goes up: chapter 10.3). Tried and not kept: asking
-for the weights' lines 2 KB ahead from 5 rows up (``_mm_prefetch``). Alone, over 12 copies of an 8192×768
-weight, it took 0.519 against 0.580 ms at 8 rows, 0.527 against 0.572 at 6 (medians of 25, in turn), and
-nothing below 5 rows; in the step, switched on and off between rounds, 1.026× and 1.046× as fast at 8 rows,
-but 1.045× and 1.055× at 4 rows where it does not run: not told apart from the rounds' drift.
+What bounds 8 rows on the AMD EPYC VM (Zen 4, 2 cores). The arithmetic: one core ran 3.58 G pair-dot
+instructions a second (3.60 G fp32 FMAs), and this kernel's 8-row loop over a tile in the L2 cache 3.25–3.30
+G, 91 % of that: 26 GB/s of bf16 weights a core, about 52 GB/s for two. The memory read 30–35 GB/s in its
+slow stretches and 55–65 in its fast ones (chapter 10.6: the bound moves), so in the fast ones bf16's
+crossover B* falls below 8 rows (chapter 10.3), and no kernel of these instructions keeps 8 rows as fast as
+one there. In the slow ones the arithmetic is not what binds, and yet 8 rows read slower than one: at 16
+pair dots per 128 bytes of weights the core's instruction window covers little more than a kilobyte of the
+stream ahead, too few lines in flight to hide the memory's latency (likely: not counted with hardware
+counters). So from ``ahead_rows`` rows up each tile asks for its weights ``AHEAD`` bytes before it reads
+them, into the L2 cache. Measured in a C loop of this tile over ``cpu-small``'s 49 weight shapes (164 MB in
+2 MiB pages, 2 threads, variants in turn, each against a sum over the same bytes): at 8 rows, while the
+memory was fast, 39.3 GB/s without against 41.0 (4 KB ahead), 47.5 (6 KB) and 48.6 (8 KB), every one of 24
+rounds ahead; while it was slow, 81 % of the sum's rate without against 98 % with 8 KB, at 6 rows 84 %
+against 95 %; at 1, 2 and 4 rows it cost 1–12 %, so it starts at 6. In the engine, switched on and off
+between rounds in one process (``read_ahead_from_rows``, 8 rounds; the memory at 30–56 GB/s): the compiled
+bf16 step at 8 rows 1.086× as fast (every round 1.03–1.17×), at 1 row unchanged (1.01×); fp32 at 8 rows
+1.13× (0.94–1.25×); the 49 matmuls alone at 16 and 64 rows 1.105× and 1.036× (bf16). An earlier try, one
+line 2 KB ahead per 128 bytes into the L1 cache, gained 7–12 % alone and could not be told from the drift in
+the step.
 
 The layout: the weight [N, K] is cut into tiles of ``TILE`` output features, and each tile is stored
 K-major, [N/TILE, K, TILE]. One tile's K×TILE block is one contiguous stream. For each k the kernel
@@ -85,6 +95,15 @@ constexpr int MAX_ROWS = 8;     // 2 x 8 accumulators of the 32 registers
 constexpr int MAX_ROWS = 6;     // 2 x 6 accumulators of AVX2's 16 registers
 #endif
 constexpr int64_t TILE = 2 * V; // output features per tile: two registers of weights per k
+// From this many rows a tile asks for its weights AHEAD bytes before it reads them, into the L2 cache (the
+// module's docstring has the measurement); read_ahead_from_rows() changes it, for a paired comparison.
+static int ahead_rows = 6;
+constexpr int64_t AHEAD = 8192;
+template <typename T>
+static inline void read_ahead(const T* w) {   // TILE weights AHEAD bytes on (past the last tile: no fault)
+  for (int64_t b = 0; b < TILE * int64_t(sizeof(T)); b += 64)
+    __builtin_prefetch((const char*)w + AHEAD + b, 0, 2);     // locality 2: the L2 cache
+}
 static inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof v); }
 static inline void store(bf16* p, vec v) {                   // rounded to nearest even, as torch rounds
   uvec u = (uvec)v;
@@ -100,7 +119,9 @@ static void tile(const float* xt, const T* tiles, const T* bias, T* y, int64_t t
   vec a0[R], a1[R];
   for (int r = 0; r < R; ++r) { a0[r] = vec{}; a1[r] = vec{}; }
   const T* w = tiles + t * K * TILE;                         // this tile: [K, TILE], contiguous
+  const bool ahead = R >= ahead_rows;
   for (int64_t k = 0; k < K; ++k) {
+    if (ahead) read_ahead(w + k * TILE);
     vec w0 = load(w + k * TILE), w1 = load(w + k * TILE + V);
     #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
@@ -130,7 +151,9 @@ static void tile_pairs(const uint32_t* xt2, const bf16* tiles, const bf16* bias,
   __m512 a0[R], a1[R];
   for (int r = 0; r < R; ++r) { a0[r] = _mm512_setzero_ps(); a1[r] = _mm512_setzero_ps(); }
   const bf16* w = tiles + t * K * TILE;                      // this tile: [K/2, TILE, 2], contiguous
+  const bool ahead = R >= ahead_rows;
   for (int64_t k2 = 0; k2 < K / 2; ++k2) {
+    if (ahead) { read_ahead(w + k2 * 2 * TILE); read_ahead(w + k2 * 2 * TILE + TILE); }
     __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + k2 * 2 * TILE);
     __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + k2 * 2 * TILE + 2 * V);
     #pragma GCC unroll 8
@@ -200,6 +223,11 @@ static void widened(const T* x, const T* tiles, const T* bias, T* y, int64_t R, 
 extern "C" int64_t tile_width() { return TILE; }
 extern "C" int64_t rows_per_group() { return MAX_ROWS; }
 extern "C" int64_t bf16_k_pair() { return PAIR; }       // 2: bf16 tiles hold k and k+1 side by side
+extern "C" int64_t read_ahead_from_rows(int64_t rows) {
+  const int64_t was = ahead_rows;
+  ahead_rows = int(rows);
+  return was;
+}
 extern "C" void tiled_linear_f32(const float* x, const float* tiles, const float* bias, float* y,
                                  int64_t R, int64_t N, int64_t K) {
   widened(x, tiles, bias, y, R, N, K);
@@ -250,6 +278,7 @@ def _library() -> ctypes.CDLL | None:
         fn.restype = None
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
     lib.tile_width.restype = lib.rows_per_group.restype = lib.bf16_k_pair.restype = ctypes.c_int64
+    lib.read_ahead_from_rows.restype, lib.read_ahead_from_rows.argtypes = ctypes.c_int64, [ctypes.c_int64]
     return lib
 
 
@@ -262,6 +291,12 @@ def available(dtype: torch.dtype = torch.float32) -> bool:
 
 def tile_width() -> int:
     return _library().tile_width()
+
+
+def read_ahead_from_rows(rows: int) -> int:
+    """From ``rows`` rows up each tile asks for its weights ahead (a larger number: never); returns
+    the setting it replaces. The answers do not change, only when the weights arrive."""
+    return _library().read_ahead_from_rows(rows)
 
 
 def pack(w: torch.Tensor) -> torch.Tensor:
