@@ -293,6 +293,44 @@ def test_the_bound_uses_the_read_bandwidth(monkeypatch):
     assert "read 7.5 GB/s" in stamp_of(res.to_dict()) and "copy " in stamp_of(res.to_dict())
 
 
+def _choice_timed_at_256_rows(ms_by_shape: dict[tuple[int, int], float | None]):
+    from minillm.engine.matmul import MatmulChoice, ShapeChoice
+    rows = [ShapeChoice(n, k, False, "tiled", ms={"tiled": {"1": 1.0, **({"256": ms} if ms else {})}},
+                        by_rows={"1": "tiled", **({"256": "tiled"} if ms else {})})
+            for (n, k), ms in ms_by_shape.items()]
+    timed = [1, 256] if any(ms_by_shape.values()) else [1]
+    return MatmulChoice("key", "machine", "2.13", 2, "float32", timed, rows)
+
+
+def test_the_compute_roof_of_the_chosen_kernels_is_their_fastest_shape_at_256_rows():
+    """By hand: 2 × 256 × 64 × 32 FLOPs in 1 ms is 1.048576 GFLOP/s; 128 × 32 in 1 ms twice that."""
+    from minillm.bench.sweep import chosen_kernels_peak
+    peak, how = chosen_kernels_peak(_choice_timed_at_256_rows({(64, 32): 1.0, (128, 32): 1.0}))
+    assert peak == pytest.approx(2 * 256 * 128 * 32 / 1e-3) and "tiled" in how and "128x32" in how
+    assert chosen_kernels_peak(_choice_timed_at_256_rows({(64, 32): None})) is None   # not timed there
+
+
+@pytest.mark.parametrize("kernels_flops", [1e15, 1.0])
+def test_the_sweeps_compute_roof_is_the_faster_of_the_square_matmul_and_the_chosen_kernels(
+        monkeypatch, kernels_flops):
+    from minillm.bench import sweep
+    _small_ceilings(monkeypatch)
+    monkeypatch.setattr(sweep, "chosen_kernels_peak", lambda choice: (kernels_flops, "stand-in kernels"))
+    res = sweep.run_sweep(model="tiny", device="cpu", batches=[1], steps=1, warmup=1, progress=False,
+                          served=False)
+    c, cfg = res.ceilings, PRESETS["tiny"]
+    square = c["square_matmul_flops"]
+    assert square > 1.0 and c["peak_flops"] == max(square, kernels_flops)
+    bw, peak = c["bandwidth"], c["peak_flops"]
+    assert res.predicted_crossover == pytest.approx(rf.crossover_batch(cfg, 4, bw, peak, 0))
+    assert res.batches[0].mfu == pytest.approx(res.batches[0].achieved_flops / c["peak_flops"])
+    if kernels_flops > square:
+        assert c["peak_method"] == "stand-in kernels"
+        assert "(stand-in kernels; torch's square matmul" in rf.ceilings_line(c)
+    else:
+        assert "matmul in" in c["peak_method"] and "square matmul" not in rf.ceilings_line(c)
+
+
 def test_model_slug_makes_safe_file_names(tmp_path):
     from minillm.bench.sweep_result import model_slug, output_stem
     ckpt = tmp_path / "My Model.v2"

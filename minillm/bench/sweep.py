@@ -327,6 +327,26 @@ def _more_rounds(results: list[BatchResult], measure: Callable[[int, bool], Batc
             fill(r)
 
 
+def chosen_kernels_peak(choice) -> tuple[float, str] | None:
+    """FLOP/s of the decode matmuls chosen on this machine at the choice's prefill-sized bucket (256 rows, far
+    past B*: bound by arithmetic), the fastest weight shape's, and where that figure came from; None where
+    the choice was not timed there. The compute roof is a measurement too: torch's square matmul is MKL's
+    sgemm on a CPU, and on the project's AMD EPYC VM the tiled kernel outran it (on two threads 0.20–0.22
+    against 0.14 TFLOP/s in fp32), so a sweep's MFU read 101–117 % from batch 16 against that roof and its
+    B* came out low (8.4 against a knee measured at 11.5; 2026-12-07). The sweep's roof is the faster."""
+    from minillm.engine.matmul import PREFILL_ROWS
+    best = None
+    for s in choice.rows:
+        kernel = s.by_rows.get(str(PREFILL_ROWS))
+        ms = s.ms.get(kernel, {}).get(str(PREFILL_ROWS)) if kernel else None
+        if ms:
+            flops = 2 * PREFILL_ROWS * s.out_features * s.in_features / (ms / 1e3)
+            if best is None or flops > best[0]:
+                best = (flops, f"the chosen {kernel} kernel at {PREFILL_ROWS} rows of {s.shape}"
+                               + (", cached" if choice.cached else ""))
+    return best
+
+
 def run_sweep(model: str | None = None, device: str | None = None, dtype: str | None = None,
               batches: list[int] | None = None, context: int | None = None, warmup: int = 3, steps: int = 10,
               cuda_graphs: bool = True, measure_ceilings: bool = True, progress: bool = True,
@@ -395,6 +415,13 @@ def run_sweep(model: str | None = None, device: str | None = None, dtype: str | 
                       else "" if choice or path == "compiled" else f" (no choice on {dev.type})")}
     if choice is not None and progress:
         print(choice.summary(), file=sys.stderr)
+    kernels_peak = chosen_kernels_peak(choice) if choice is not None and measure_ceilings else None
+    if kernels_peak is not None:
+        ceil.update(square_matmul_flops=peak, peak_method=kernels_peak[1])
+        if kernels_peak[0] > peak:               # the roof: the faster of the two matmuls measured here
+            peak = ceil["peak_flops"] = kernels_peak[0]
+        else:
+            ceil["peak_method"] = pk_m.method
     # the bound, measured again around every row: the memory's speed can move under a run (10.6)
     probe = ReadProbe(dev, read_nbytes) if measure_ceilings else None
     if partial_path is not None:               # this run's rows only

@@ -248,7 +248,10 @@ def ceilings_line(c: dict) -> str:
         bound = ", the bound's" if kind == "copy" else ""
         parts.append(f"copy {copy / 1e9:.1f} GB/s (read + write{bound})")
     if peak:
-        parts.append(f"matmul {peak / 1e12:.2f} TFLOP/s")
+        how = c.get("peak_method")
+        square = c.get("square_matmul_flops")
+        beside = f"; torch's square matmul {square / 1e12:.2f}" if square and square < peak else ""
+        parts.append(f"matmul {peak / 1e12:.2f} TFLOP/s" + (f" ({how}{beside})" if how else ""))
     return "ceilings (measured): " + ", ".join(parts)
 
 
