@@ -37,9 +37,9 @@ the kernel ran out of arithmetic; where the CPU has AVX512-BF16 the tile holds k
 and one instruction adds both products.
 
 What bounds 8 rows on the AMD EPYC VM (Zen 4, 2 cores). The arithmetic: one core ran 3.58 G pair-dot
-instructions a second (3.60 G fp32 FMAs), and this kernel's 8-row loop over a tile in the L2 cache 3.25–3.30
-G, 91 % of that: 26 GB/s of bf16 weights a core, about 52 GB/s for two. The memory read 30–35 GB/s in its
-slow stretches and 55–65 in its fast ones (chapter 10.6: the bound moves), so in the fast ones bf16's
+instructions a second (3.60 G fp32 FMAs), and this kernel's 8-row loop over a tile in the L2 cache
+3.25–3.30 G, 91 % of that: 26 GB/s of bf16 weights a core, about 52 GB/s for two. The memory read 30–35 GB/s
+in its slow stretches and 55–65 in its fast ones (chapter 10.6: the bound moves), so in the fast ones bf16's
 crossover B* falls below 8 rows (chapter 10.3), and no kernel of these instructions keeps 8 rows as fast as
 one there. In the slow ones the arithmetic is not what binds, and yet 8 rows read slower than one: at 16
 pair dots per 128 bytes of weights the core's instruction window covers little more than a kilobyte of the
