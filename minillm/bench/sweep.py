@@ -333,18 +333,17 @@ def chosen_kernels_peak(choice) -> tuple[float, str] | None:
     the choice was not timed there. The compute roof is a measurement too: torch's square matmul is MKL's
     sgemm on a CPU, and on the project's AMD EPYC VM the tiled kernel outran it (on two threads 0.20–0.22
     against 0.14 TFLOP/s in fp32), so a sweep's MFU read 101–117 % from batch 16 against that roof and its
-    B* came out low (8.4 against a knee measured at 11.5; 2026-12-07). The sweep's roof is the faster."""
+    B* came out low (8.4 against a knee measured at 11.5). The sweep's roof is the faster."""
     from minillm.engine.matmul import PREFILL_ROWS
-    best = None
-    for s in choice.rows:
-        kernel = s.by_rows.get(str(PREFILL_ROWS))
-        ms = s.ms.get(kernel, {}).get(str(PREFILL_ROWS)) if kernel else None
-        if ms:
-            flops = 2 * PREFILL_ROWS * s.out_features * s.in_features / (ms / 1e3)
-            if best is None or flops > best[0]:
-                best = (flops, f"the chosen {kernel} kernel at {PREFILL_ROWS} rows of {s.shape}"
+    timed = [s for s in choice.rows if str(PREFILL_ROWS) in s.by_rows]
+    if not timed:
+        return None
+    flops = {s.shape: 2 * PREFILL_ROWS * s.out_features * s.in_features / (s.chosen_ms(PREFILL_ROWS) / 1e3)
+             for s in timed}
+    best = max(timed, key=lambda s: flops[s.shape])
+    kernel = best.by_rows[str(PREFILL_ROWS)]
+    return flops[best.shape], (f"the chosen {kernel} kernel at {PREFILL_ROWS} rows of {best.shape}"
                                + (", cached" if choice.cached else ""))
-    return best
 
 
 def run_sweep(model: str | None = None, device: str | None = None, dtype: str | None = None,
@@ -416,12 +415,11 @@ def run_sweep(model: str | None = None, device: str | None = None, dtype: str | 
     if choice is not None and progress:
         print(choice.summary(), file=sys.stderr)
     kernels_peak = chosen_kernels_peak(choice) if choice is not None and measure_ceilings else None
-    if kernels_peak is not None:
-        ceil.update(square_matmul_flops=peak, peak_method=kernels_peak[1])
-        if kernels_peak[0] > peak:               # the roof: the faster of the two matmuls measured here
+    if kernels_peak is not None:                 # the roof: the faster of the two matmuls measured here
+        faster = kernels_peak[0] > peak
+        ceil.update(square_matmul_flops=peak, peak_method=kernels_peak[1] if faster else pk_m.method)
+        if faster:
             peak = ceil["peak_flops"] = kernels_peak[0]
-        else:
-            ceil["peak_method"] = pk_m.method
     # the bound, measured again around every row: the memory's speed can move under a run (10.6)
     probe = ReadProbe(dev, read_nbytes) if measure_ceilings else None
     if partial_path is not None:               # this run's rows only
