@@ -44,6 +44,10 @@ from pathlib import Path
 import nbformat
 import pytest
 
+# One JupyterLab and one page for the whole file, in one test process: the second Run All checks the
+# kernel the first one left (pyproject.toml runs the suite on two processes, grouped this way).
+pytestmark = pytest.mark.xdist_group("browser")
+
 ROOT = Path(__file__).resolve().parent.parent
 SHOTS = ROOT / "runs" / "browser"
 CHROMIUM = Path("/usr/bin/chromium")
