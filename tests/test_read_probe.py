@@ -73,6 +73,9 @@ def test_sweep_samples_the_read_speed_around_every_row():
     assert res.batches[0].read_bw_now[1] == res.batches[1].read_bw_now[0] == res.read_drift["samples"][1]
     assert res.read_drift["bound"] == res.ceilings["bandwidth"]
     assert res.to_dict()["read_drift"]["ratio"] >= 1.0
+    at = res.to_dict()["crossover_at_reads"]        # B* at the slowest and fastest of those samples
+    assert at["slowest"]["read"] == res.read_drift["low"] and at["fastest"]["read"] == res.read_drift["high"]
+    assert at["fastest"]["b_star"] <= at["slowest"]["b_star"]
     # the figure shades the bound between the slowest and fastest read, only where it moved
     import matplotlib
     matplotlib.use("Agg")
@@ -84,6 +87,32 @@ def test_sweep_samples_the_read_speed_around_every_row():
     data["read_drift"] = ReadDrift((40e9, 41e9), data["ceilings"]["bandwidth"]).to_dict()
     labels = [t.get_text() for t in plot_roofline(data, formula_panel=False).axes[0].get_legend().get_texts()]
     assert not any("it moved" in t for t in labels)
+
+
+def test_the_crossover_moves_with_the_read_the_run_met():
+    from minillm.bench.sweep import crossover_at_reads
+    from minillm.model.config import PRESETS
+    from minillm.perf import roofline as rf
+    cfg, peak = PRESETS["llama-3.1-8b"], 989.5e12
+    at = crossover_at_reads(cfg, 2, peak, ReadDrift((2.4e12, 4.8e12, 3.0e12), bound=4.8e12))
+    for which, read in (("slowest", 2.4e12), ("fastest", 4.8e12)):
+        assert at[which] == {"read": read, "b_star": pytest.approx(rf.crossover_batch(cfg, 2, read, peak))}
+    assert at["moved"] is True
+    # bf16 weights: B* ≈ peak ÷ bandwidth (≈ 206 at 4.8 TB/s), so half the read doubles it, to within 1 %
+    assert at["slowest"]["b_star"] == pytest.approx(2 * at["fastest"]["b_star"], rel=0.01)
+    assert crossover_at_reads(cfg, 2, peak, ReadDrift(())) == {}
+    assert crossover_at_reads(cfg, 2, peak, ReadDrift((4.7e12, 4.8e12)))["moved"] is False
+
+
+def test_the_table_says_where_b_star_went_only_when_the_memory_moved():
+    res = _result([25e9, 27e9], ReadDrift((25e9, 50e9), 40e9).to_dict())
+    res.crossover_at_reads = {"slowest": {"read": 25e9, "b_star": 14.1},
+                              "fastest": {"read": 50e9, "b_star": 7.3}, "moved": True}
+    line = ("B* moves with the memory: 7.3 at the run's fastest read (50.0 GB/s), "
+            "14.1 at its slowest (25.0 GB/s)")
+    assert line in res.table()
+    res.crossover_at_reads["moved"] = False
+    assert "B* moves" not in res.table()
 
 
 def test_doctor_samples_the_read_speed_over_time():

@@ -47,7 +47,7 @@ from minillm.hardware.machine import (
 )
 from minillm.hardware.provenance import RunProvenance
 from minillm.hardware.quiet import NOISY_SPREAD as _NOISY_SPREAD
-from minillm.hardware.read_probe import ReadProbe
+from minillm.hardware.read_probe import ReadDrift, ReadProbe
 
 DEFAULT_BATCHES = [1, 2, 4, 8, 16, 32, 48, 64]
 NOISY_SPREAD = _NOISY_SPREAD   # p90 / p10 of a row's repeats above which it is flagged (busy.py)
@@ -327,6 +327,18 @@ def _more_rounds(results: list[BatchResult], measure: Callable[[int, bool], Batc
             fill(r)
 
 
+def crossover_at_reads(cfg, nbytes: int, peak: float, drift: ReadDrift) -> dict:
+    """B* (no K/V) at the slowest and the fastest read the probe met during a run. B* is the peak over the
+    bandwidth (rf.crossover_batch), so where the memory's speed moves under a run the crossover moves
+    with it (10.3, 10.6): on the AMD EPYC VM one fp32 ``roofline`` run printed B* = 13.0 from its start's
+    read of 31.4 GB/s while the probe met 29.0–56.0 GB/s, which puts B* anywhere from 14.1 down to 7.3;
+    its knee was 10.4. A row measured in a fast stretch meets the arithmetic sooner than the printed B*."""
+    if not drift.samples:
+        return {}
+    at = lambda bw: {"read": bw, "b_star": rf.crossover_batch(cfg, nbytes, bw, peak, 0)}   # noqa: E731
+    return {"slowest": at(drift.low), "fastest": at(drift.high), "moved": drift.moved}
+
+
 def chosen_kernels_peak(choice) -> tuple[float, str] | None:
     """FLOP/s of the decode matmuls chosen on this machine at the choice's prefill-sized bucket (256 rows, far
     past B*: bound by arithmetic), the fastest weight shape's, and where that figure came from; None where
@@ -467,7 +479,8 @@ def run_sweep(model: str | None = None, device: str | None = None, dtype: str | 
     if path == "fastest":
         matmul["compiled_up_to"] = max((r.batch for r in results if r.alternatives.get("compiled")),
                                        default=None)
-    read_drift = probe.drift(bw).to_dict() if probe is not None and probe.samples else {}
+    drift = probe.drift(bw) if probe is not None and probe.samples else None
+    read_drift = drift.to_dict() if drift is not None else {}
     if probe is not None:
         probe.close()
     ok = [r for r in results if r.status == "ok"]
@@ -484,6 +497,6 @@ def run_sweep(model: str | None = None, device: str | None = None, dtype: str | 
         measured_knee=knee, batches=results,
         started=time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t_start)),
         duration_s=time.time() - t_start, knee_note=fit.reason, matmul=matmul, read_drift=read_drift,
-        rounds=rounds)
+        rounds=rounds, crossover_at_reads=crossover_at_reads(cfg, nbytes, peak, drift) if drift else {})
 
 

@@ -156,6 +156,8 @@ class SweepResult(RunProvenance):
     matmul: dict = field(default_factory=dict)  # the path that ran: mode, each shape's candidate, choice time
     read_drift: dict = field(default_factory=dict)  # the read speed sampled through the run (ReadDrift)
     rounds: int = 1                           # each batch measured this many times, the batches in turn
+    # B* again at the slowest and the fastest read the probe met during the run (crossover_at_reads)
+    crossover_at_reads: dict = field(default_factory=dict)
 
     def path_line(self) -> str:
         return rf.path_line(self.matmul, self.cuda_graphs,
@@ -228,6 +230,12 @@ class SweepResult(RunProvenance):
                     f"{self.predicted_crossover_kv:.1f}); measured knee: {knee}")
         if self.knee_note:
             rows.append(f"  {self.knee_note}")
+        if self.crossover_at_reads.get("moved"):
+            slow, fast = self.crossover_at_reads["slowest"], self.crossover_at_reads["fastest"]
+            rows.append(f"  B* moves with the memory: {fast['b_star']:.1f} at the run's fastest read "
+                        f"({fast['read'] / 1e9:.1f} GB/s), {slow['b_star']:.1f} at its slowest "
+                        f"({slow['read'] / 1e9:.1f} GB/s); a batch measured while the memory ran fast meets "
+                        f"the arithmetic sooner")
         return "\n".join(rows)
 
     def _now_words(self, batches: list[int]) -> str:
