@@ -84,9 +84,14 @@ def test_sweep_samples_the_read_speed_around_every_row():
     data["read_drift"] = ReadDrift((20e9, 40e9), data["ceilings"]["bandwidth"]).to_dict()
     labels = [t.get_text() for t in plot_roofline(data, formula_panel=False).axes[0].get_legend().get_texts()]
     assert any("read measured during the run (20–40 GB/s): it moved" in t for t in labels)
-    data["read_drift"] = ReadDrift((40e9, 41e9), data["ceilings"]["bandwidth"]).to_dict()
+    data["crossover_at_reads"] = {"slowest": {"read": 20e9, "b_star": 14.1},
+                                  "fastest": {"read": 40e9, "b_star": 7.3}, "moved": True}
     labels = [t.get_text() for t in plot_roofline(data, formula_panel=False).axes[0].get_legend().get_texts()]
-    assert not any("it moved" in t for t in labels)
+    assert "B* over the read the run met: 7.3–14.1" in labels     # B* where the read moved: a band
+    data["read_drift"] = ReadDrift((40e9, 41e9), data["ceilings"]["bandwidth"]).to_dict()
+    data["crossover_at_reads"]["moved"] = False
+    labels = [t.get_text() for t in plot_roofline(data, formula_panel=False).axes[0].get_legend().get_texts()]
+    assert not any("it moved" in t or "B* over" in t for t in labels)
 
 
 def test_the_crossover_moves_with_the_read_the_run_met():

@@ -106,6 +106,12 @@ def plot_roofline(result: dict, references: list[dict] | None = None, ax=None,
     bstar = result.get("predicted_crossover")
     if bstar and math.isfinite(bstar):
         ax.axvline(bstar, color="tab:red", lw=0.9, alpha=0.6, label=f"predicted crossover B* = {bstar:.0f}")
+    at = result.get("crossover_at_reads") or {}
+    if at.get("moved"):      # B* is the peak over the bandwidth: where the read moved, B* moved with it
+        lo, hi = at["fastest"]["b_star"], at["slowest"]["b_star"]
+        if math.isfinite(lo) and math.isfinite(hi):
+            ax.axvspan(lo, hi, color="tab:red", alpha=0.07,
+                       label=f"B* over the read the run met: {lo:.1f}–{hi:.1f}")
     # the knee from the data drawn, by the one definition (an older file's stored knee may predate it)
     fit = rf.knee_fit([b["batch"] for b in ok], [b["forward_ms_median"] for b in ok])
     if fit.knee:
