@@ -136,6 +136,25 @@ def test_tool_calls_in_a_conversation_are_refused_by_name(server):
     assert err["param"] == "messages[1].tool_calls" and "function calling" in err["message"]
 
 
+@pytest.mark.parametrize("calls", [1, "f", {}, True, [{"id": "1"}]])
+def test_any_tool_calls_value_but_none_is_refused_by_name(server, calls):
+    # the schema allows null or [] (what a client sends back from a reply without calls), nothing else
+    body = {"messages": [{"role": "user", "content": "hi"},
+                         {"role": "tool", "content": "", "tool_calls": calls}], "max_tokens": 1}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=auth(KEY_A), timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "messages[1].tool_calls"
+
+
+@pytest.mark.parametrize("calls", [None, []])
+def test_an_empty_tool_calls_is_accepted(server, calls):
+    body = {"messages": [{"role": "user", "content": "hi"},
+                         {"role": "assistant", "content": "hello", "tool_calls": calls},
+                         {"role": "user", "content": "again"}], "max_tokens": 1}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=auth(KEY_A), timeout=30)
+    assert r.status_code == 200, r.text
+
+
 def _raw(srv, data: bytes) -> bytes:
     import socket
     host, port = srv.url.removeprefix("http://").split(":")

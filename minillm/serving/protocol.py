@@ -66,6 +66,10 @@ class TextPart(BaseModel):
 class Message(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart]]
+    # a conversation without function calling: an assistant message may carry none (null or []), which
+    # OpenAI's clients send back as they received it; any other value is refused by name
+    tool_calls: list[dict] | None = Field(None, max_length=0,
+                                          description="none: this server does no function calling")
 
 
 class ChatCompletionBody(_Sampling):

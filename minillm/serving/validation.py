@@ -146,7 +146,7 @@ def parse_messages(body: dict) -> list[Message]:
         if role not in CHAT_ROLES:
             raise invalid(f"{where}.role",
                           f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}; got {role!r}.")
-        if m.get("tool_calls"):           # before content: such a message often has none
+        if m.get("tool_calls") not in (None, []):     # before content: such a message often has none
             raise invalid(f"{where}.tool_calls",
                           f"'{where}.tool_calls' is not supported: this server does no "
    "function calling (no 'tools'), so a conversation cannot hold tool calls.")
