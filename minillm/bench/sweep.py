@@ -335,7 +335,9 @@ def crossover_at_reads(cfg, nbytes: int, peak: float, drift: ReadDrift) -> dict:
     its knee was 10.4. A row measured in a fast stretch meets the arithmetic sooner than the printed B*."""
     if not drift.samples:
         return {}
-    at = lambda bw: {"read": bw, "b_star": rf.crossover_batch(cfg, nbytes, bw, peak, 0)}   # noqa: E731
+
+    def at(bw: float) -> dict:
+        return {"read": bw, "b_star": rf.crossover_batch(cfg, nbytes, bw, peak, 0)}
     return {"slowest": at(drift.low), "fastest": at(drift.high), "moved": drift.moved}
 
 
