@@ -124,11 +124,14 @@ def create_app(config: ServerConfig | ServingState | None = None, *, llm=None):
     async def _validation_error(request: Request, e: RequestValidationError):
         return error_response(GatewayError(400, "invalid_request", str(e)))
 
+    def internal_error(request: Request, e: Exception) -> GatewayError:
+        """A bug, not the client's doing: logged in full, answered without internals."""
+        log.exception("unhandled error on %s", request.url.path, exc_info=e)
+        return GatewayError(500, "internal_error", f"Internal server error ({type(e).__name__}).")
+
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, e: Exception):
-        log.exception("unhandled error on %s", request.url.path)
-        return error_response(GatewayError(500, "internal_error",
-                                           f"Internal server error ({type(e).__name__})."))
+        return error_response(internal_error(request, e))
 
     @app.get("/health", responses={503: {"description": "draining (shutting down) or stopped",
                                          "content": {"application/json": {"schema": {
@@ -278,7 +281,9 @@ def create_app(config: ServerConfig | ServingState | None = None, *, llm=None):
             # quota, take a place in the queue, build the sequence.
             admitted, seq = await asyncio.to_thread(state.admit, key_id, raw, chat, trace)
             stream = state.loop.submit(seq, every_output=admitted.request.stream)
-        except GatewayError as e:
+        except Exception as exc:
+            e = exc if isinstance(exc, GatewayError) else internal_error(request, exc)
+            # whatever the error, nothing stays held: the queue place, the client's request id
             if admitted is not None:
                 state.gateway.release(admitted)
             if trace.last("rejected") is None:

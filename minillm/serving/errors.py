@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import sys
 from typing import Any, Mapping
 
 # ---------------------------------------------------------------------------------------------
@@ -64,8 +66,46 @@ def parse_json_body(raw: bytes | str) -> Any:
     except json.JSONDecodeError as e:
         raise invalid(None, f"The request body is not valid JSON: {e.msg.lower()} at line {e.lineno}, "
                             f"column {e.colno}.") from None
-    except ValueError:   # bytes that are not UTF-8/16/32
+    except ValueError:   # bytes that are not UTF-8/16/32, or an integer too long for int()
+        long_int = _long_integer(raw)
+        if long_int is not None:
+            raise long_int from None
         raise invalid(None, "The request body is not valid JSON: it is not UTF-8 text.") from None
+
+
+class _LongInteger(ValueError):
+    def __init__(self, literal: str) -> None:
+        super().__init__(literal)
+        self.literal = literal
+
+
+def _strict_int(literal: str) -> int:
+    try:
+        return int(literal)
+    except ValueError:
+        raise _LongInteger(literal) from None
+
+
+def _long_integer(raw: bytes | str) -> GatewayError | None:
+    """The 400 for a body whose integer has more digits than ``int()`` reads
+    (``sys.get_int_max_str_digits()``, 4300 by default): valid JSON, so the client is told which
+    number and where, not that the text is broken. None when that is not the problem. Runs only
+    after a failed parse: the happy path keeps the C parser's own integers."""
+    try:
+        text = raw.decode(json.detect_encoding(raw), "surrogatepass") if isinstance(raw, bytes) else raw
+        json.loads(text, parse_int=_strict_int)
+        return None
+    except _LongInteger as e:
+        literal = e.literal
+    except (ValueError, RecursionError):
+        return None
+    # where: the first occurrence standing alone (not inside a longer number or a word)
+    m = re.search(rf"(?<![\w.+-]){re.escape(literal)}(?![\w.])", text)
+    at = m.start() if m else text.find(literal)
+    line, column = text.count("\n", 0, at) + 1, at - text.rfind("\n", 0, at)
+    limit = sys.get_int_max_str_digits() if hasattr(sys, "get_int_max_str_digits") else 0
+    return invalid(None, f"The request body has an integer of {len(literal.lstrip('-'))} digits at line "
+                         f"{line}, column {column}; this server reads integers of at most {limit} digits.")
 
 
 def retry_after(seconds: float) -> dict[str, str]:

@@ -3,6 +3,7 @@ chunks, usage), the SSE stream of one request and the response classes that stam
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 from dataclasses import dataclass, field
@@ -111,6 +112,7 @@ class Job:
     n_sent: int = 0
     pending_logprobs: list = field(default_factory=list)   # tokens not yet on a chunk (empty deltas)
     n_tokens: int = 0              # output tokens streamed so far (continuous_usage_stats)
+    n_logprob_chars: int = 0       # chars of the token strings on chunks so far (text_offset)
     client_id: str = ""            # the id the caller knows (its X-Request-Id, else ours): bodies, headers
     key_id: str | None = None
 
@@ -151,10 +153,12 @@ class Job:
             self.state.loop.abort(self.request_id, then=finish)
 
     # -- bodies --------------------------------------------------------------------------
-    def logprobs_body(self, entries: list) -> dict[str, Any] | None:
+    def logprobs_body(self, entries: list, offset: int = 0) -> dict[str, Any] | None:
         """OpenAI's logprobs object for ``entries`` (``TokenLogprobs``), or None when the request
         did not ask. Completions: the legacy parallel lists; chat: one object per token. Token
-        strings are each id decoded alone (as vLLM does); ids the tokenizer lacks: <unk:ID>."""
+        strings are each id decoded alone (as vLLM does); ids the tokenizer lacks: <unk:ID>.
+        ``offset``: the completion's chars before these entries (a stream's earlier chunks), as
+        ``text_offset`` counts from the start of the completion, not of the chunk."""
         if self.admitted.sampling_kwargs().get("logprobs") is None:
             return None
         tok = self.state.tokenizer
@@ -169,13 +173,18 @@ class Job:
                                                    "bytes": list(text(i).encode())}
                                                   for i, lp in e.top]} for e in entries]}
         tokens = [text(e.token_id) for e in entries]
-        offsets = [sum(map(len, tokens[:k])) for k in range(len(tokens))]   # within these entries
+        offsets = list(itertools.accumulate(map(len, tokens[:-1]), initial=offset))[:len(tokens)]
         return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
                 "top_logprobs": [{text(i): lp for i, lp in e.top} for e in entries], "text_offset": offsets}
 
     def take_logprobs(self) -> dict[str, Any] | None:
         entries, self.pending_logprobs = self.pending_logprobs, []
-        return self.logprobs_body(entries) if entries else None
+        if not entries:
+            return None
+        body = self.logprobs_body(entries, self.n_logprob_chars)
+        if body is not None and "tokens" in body:
+            self.n_logprob_chars += sum(map(len, body["tokens"]))
+        return body
 
     def chunk(self, delta: str, finish_reason: str | None, role: bool = False) -> dict[str, Any]:
         lp = self.take_logprobs()

@@ -64,8 +64,24 @@ class ServingState:
 
     # -- prompts -------------------------------------------------------------------------
     def prompt_text(self, req: CompletionRequest) -> str:
+        return self.chat_text(req.prompt) if req.chat else req.prompt
+
+    def chat_text(self, messages: list[dict]) -> str:
+        """The chat template's text for ``messages``. Many models' templates refuse some
+        conversations (roles that do not alternate, a system message) through ``raise_exception``:
+        that is the client's conversation, so a 400 naming 'messages' with the template's reason,
+        not a 500. A template that does not even parse is the server's fault and stays one."""
         from minillm.engine.tokenizer import apply_chat
-        return apply_chat(self.tokenizer, req.prompt) if req.chat else req.prompt
+        try:
+            from jinja2.exceptions import TemplateError, TemplateSyntaxError
+        except ImportError:           # no jinja2: no template can run, hence none can refuse
+            return apply_chat(self.tokenizer, messages)
+        try:
+            return apply_chat(self.tokenizer, messages)
+        except TemplateSyntaxError:
+            raise
+        except TemplateError as e:
+            raise invalid("messages", f"The model's chat template refused these messages: {e}") from None
 
     def tokenize(self, req: CompletionRequest) -> list[int]:
         """The prompt's ids, counted once: the gateway needs the length to check the context
@@ -96,6 +112,9 @@ class ServingState:
             self.gateway.undo(admitted)
             param = "min_tokens" if "min_tokens" in str(e) else None    # the one check that needs max_tokens
             raise GatewayError(400, "invalid_request", str(e), param=param) from None
+        except BaseException:
+            self.gateway.undo(admitted)       # whatever failed, the queue place must not stay taken
+            raise
         return admitted, seq
 
     # -- request ids -----------------------------------------------------------------------
@@ -119,14 +138,14 @@ class ServingState:
 
     # -- tokenizer endpoints -----------------------------------------------------------------
     def tokenize_body(self, body: dict) -> dict:
-        from minillm.engine.tokenizer import apply_chat, encode_prompt
+        from minillm.engine.tokenizer import encode_prompt
         bad = undecodable_text(body)
         if bad is not None:
             raise invalid(bad, f"'{bad}' holds text that is not valid Unicode.")
         if ("prompt" in body) == ("messages" in body):      # the schema's oneOf, by presence
             raise invalid("prompt", "Give exactly one of 'prompt' (a string) and 'messages' (a list).")
         if "messages" in body:
-            text = apply_chat(self.tokenizer, parse_messages(body))
+            text = self.chat_text(parse_messages(body))
         elif isinstance(body["prompt"], str):
             text = body["prompt"]
         else:
