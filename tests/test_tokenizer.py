@@ -92,3 +92,20 @@ def test_checkpoint_without_tokenizer_says_what_to_do(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="tokenizer='default'"):
         load_tokenizer(str(tmp_path))
+
+
+@pytest.mark.parametrize("kind", ["stream", "window"])
+@pytest.mark.parametrize("prompt", ["", "你好"])
+def test_bytes_that_never_complete_a_character_are_not_lost_at_the_end(tok, kind, prompt):
+    """A request cut by max_tokens in the middle of a character: while it runs nothing broken is
+    emitted, and at its end the held bytes come out as the tokenizer decodes them (U+FFFD), so the
+    final text is the tokenizer's own decode of the output, whichever detokenizer ran."""
+    from minillm.engine.output import StreamDetokenizer
+    ids = tok.encode("ab龘")[:-1]                       # the last character's final piece is missing
+    assert tok.decode(ids).endswith("\ufffd")
+    prompt_ids = tok.encode(prompt) if prompt else []
+    d = StreamDetokenizer(tok, prompt_ids) if kind == "stream" else IncrementalDetokenizer(tok, prompt_ids)
+    running = [d.push(i) for i in ids]
+    assert all("\ufffd" not in x for x in running)
+    assert "".join(running) + d.flush() == tok.decode(ids)
+    assert d.flush() == ""                               # given once

@@ -1,7 +1,8 @@
 """Output processing (chapter 10.1's detokenize stage): token ids → text deltas, stop rules and
 finish reasons. Runs on the host after every step, for every row that produced a token.
 
-- Detokenization is incremental and never emits half a UTF-8 character. With a fast
+- Detokenization is incremental and never emits half a UTF-8 character while a request runs; bytes
+  that never complete one are given at its end as the tokenizer decodes them (U+FFFD). With a fast
   (Rust-backed) tokenizer it uses the ``tokenizers`` library's ``DecodeStream``; otherwise
   ``minillm.engine.tokenizer.IncrementalDetokenizer``. Ids the tokenizer does not know (a shape
   twin has a 128k vocabulary, the default tokenizer 8192) become ``<unk:ID>``.
@@ -19,6 +20,7 @@ finish reasons. Runs on the host after every step, for every row that produced a
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from minillm.engine.sequence import Sequence
@@ -37,15 +39,31 @@ class StreamDetokenizer:
         self.stream = DecodeStream(ids=context, skip_special_tokens=True) if context else \
             DecodeStream(skip_special_tokens=True)
         self.unknown_ids = 0
+        self.emitted = context      # the last ids whose text is out: context for the flush
+        self.held: list[int] = []   # ids pushed since, whose bytes form no character yet
 
     def push(self, token_id: int) -> str:
         if not 0 <= token_id < self.vocab_size:
             self.unknown_ids += 1
             return f"<unk:{token_id}>"
-        return self.stream.step(self.backend, token_id) or ""
+        text = self.stream.step(self.backend, token_id) or ""
+        self.held.append(token_id)
+        if text:
+            self.emitted, self.held = self.held[-4:], []
+        return text
 
     def flush(self) -> str:
-        return ""          # DecodeStream holds only bytes that do not form a character yet
+        """At the end of a request, the bytes still held (they never completed a character) as
+        the tokenizer decodes them, U+FFFD for each broken one: the final text is then the
+        tokenizer's own decode of the output, as the windowed detokenizer gives it, and nothing
+        the model produced silently disappears."""
+        if not self.held:
+            return ""
+        decode = functools.partial(self.backend.decode, skip_special_tokens=True)
+        before, after = decode(self.emitted), decode(self.emitted + self.held)
+        text = after[len(before):] if after.startswith(before) else decode(self.held)
+        self.emitted, self.held = (self.emitted + self.held)[-4:], []
+        return text
 
 
 def make_detokenizer(tokenizer, prompt_ids: list[int]):
