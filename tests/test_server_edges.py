@@ -123,3 +123,38 @@ def test_streamed_text_offsets_count_from_the_start_of_the_completion(server, st
     assert [o for c in chunks for o in c["text_offset"]] == lp["text_offset"]
     assert lp["text_offset"] == [sum(map(len, lp["tokens"][:k])) for k in range(len(lp["tokens"]))]
     wait_idle(server)
+
+
+def fail_the_next_step(server, monkeypatch) -> None:
+    """The engine's next step raises, as a bug below ``step()`` would; the steps after it run."""
+    engine = server.state.loop.engine
+    real = engine.step
+
+    def once():
+        monkeypatch.setattr(engine, "step", real)
+        raise RuntimeError("a bug inside the step")
+    monkeypatch.setattr(engine, "step", once)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_engine_failure_is_a_500_engine_error_not_a_shutdown(server, monkeypatch, stream):
+    """The server is not shutting down: a client told 503 "server_shutting_down" would go elsewhere
+    and wait. The failed request gets the 500 a failed batch gives, and the server serves on."""
+    fail_the_next_step(server, monkeypatch)
+    body = {"prompt": "hi", "max_tokens": 4, "stream": stream}
+    r = httpx.post(server.url + "/v1/completions", json=body, headers=auth(), timeout=60)
+    if not stream:
+        err = assert_error(r, 500, "engine_error")
+        assert "retry-after" not in r.headers
+    else:
+        assert r.status_code == 200, r.text
+        events = [json.loads(line[6:]) for line in r.text.splitlines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+        err = events[-1]["error"]
+        assert err["code"] == "engine_error", events
+    assert "a bug inside the step" in err["message"], err
+    wait_idle(server)
+    again = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                       headers=auth(), timeout=60)
+    assert again.status_code == 200, again.text
+    assert server.state.loop.failures >= 1

@@ -41,6 +41,7 @@ from minillm.serving.protocol import (
 from minillm.serving.responses import (
     BodyTooLarge,
     Job,
+    closed_error,
     engine_error,
     error_response,
     limit_param,
@@ -318,8 +319,7 @@ def create_app(config: ServerConfig | ServingState | None = None, *, llm=None):
         job.done = True
         if isinstance(item, Closed):
             job.close("error")
-            return error_response(GatewayError(503, "server_shutting_down", item.message,
-                                                headers={"Retry-After": "1"}), job.visible_id)
+            return error_response(closed_error(item, headers={"Retry-After": "1"}), job.visible_id)
         if item.finish_reason == "error":
             job.close("error")
             return error_response(engine_error(job), job.visible_id)

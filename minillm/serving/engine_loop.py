@@ -20,10 +20,12 @@ log = logging.getLogger(__name__)
 
 class Closed:
     """Pushed into a request's queue instead of a StepOutput when the engine lets it go
-    without finishing it (server shutdown, engine failure)."""
+    without finishing it: the server shutting down (the client may retry: a 503), or the engine
+    failing on it (the server's fault: a 500)."""
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, shutting_down: bool = True) -> None:
         self.message = message
+        self.shutting_down = shutting_down
 
 
 @dataclass(eq=False)
@@ -132,7 +134,8 @@ class EngineLoop:
         try:
             self.engine.enqueue(s.seq)            # records `enqueued`
         except Exception as e:                    # e.g. a duplicate request id: fail this one only
-            self._push(s, Closed(f"{type(e).__name__}: {e}"))
+            self._push(s, Closed(f"The engine could not take the request: {type(e).__name__}: {e}",
+                                 shutting_down=False))
             return
         self._streams[s.seq.request_id] = s
 
@@ -158,7 +161,8 @@ class EngineLoop:
                 with contextlib.suppress(Exception):
                     self.engine.abort(rid)
                     self.engine.pop_finished(rid)
-                self._push(s, Closed(f"engine error: {type(e).__name__}: {e}"))
+                self._push(s, Closed(f"The engine failed on this request: {type(e).__name__}: {e}",
+                                     shutting_down=False))
             self._streams.clear()
             return
         self.steps += 1

@@ -230,6 +230,14 @@ def engine_error(job: Job) -> GatewayError:
     return GatewayError(500, "engine_error", f"The engine failed on this request: {job.seq.error}")
 
 
+def closed_error(item: Closed, headers: dict[str, str] | None = None) -> GatewayError:
+    """Why the engine let a request go unfinished: the server is shutting down (retry elsewhere or
+    later: a 503), or the engine failed (a 500, as a failed batch gives)."""
+    if item.shutting_down:
+        return GatewayError(503, "server_shutting_down", item.message, headers=headers)
+    return GatewayError(500, "engine_error", item.message)
+
+
 async def sse_body(job: Job) -> AsyncIterator[str]:
     """The event stream of one request. Each ``sent`` is recorded when the generator is resumed,
     which Starlette does only after the previous chunk was handed to the socket."""
@@ -241,7 +249,7 @@ async def sse_body(job: Job) -> AsyncIterator[str]:
             item = await queue.get()
             if isinstance(item, Closed):
                 job.done, reason = True, "error"
-                yield sse_line(GatewayError(503, "server_shutting_down", item.message).to_openai_error())
+                yield sse_line(closed_error(item).to_openai_error())
                 break
             if item.finished:
                 job.done = True
