@@ -63,6 +63,14 @@ x[r, k]·w[k, :] into the row's two accumulators: 2R accumulators stay in regist
 The rows are first copied k-major (xt[k, r]): read row by row they are 8 KB apart, and eight such
 streams land in the same sets of the L1 cache (measured: 3.31 ms at 8 rows without the copy, 2.18 with).
 
+The threads split the tiles statically, each reading one contiguous half. While the memory was fast,
+the main thread finished its half first in 86–99 % of a batch-1 step's 51 calls, the other 0.5–0.9 ms a
+step later (bf16, timed inside the kernel), so balancing looked worth a try. It was not, measured in the
+engine with the variants in turn (bf16, 1 row): tiles handed out one at a time (OpenMP ``dynamic``) 0.88× as
+fast, ``guided`` 0.99×, two threads from the two ends 0.96×, each its own half and then the other's last
+tiles 1.00× (0.93–1.28×). One thread's contiguous stream is what the memory serves best, and when one thread
+is slower the memory, not the split, sets the pace.
+
 Two things the first version got wrong, so the next reader need not: an accumulator array of ATen's
 ``Vectorized<float>`` was stored to the stack on every k by GCC 12 (6.45 ms at 8 rows), and GCC does not
 fuse ``a += x * w`` into an FMA under the flags Inductor builds with (``-ffp-contract=off``), so the
