@@ -365,8 +365,8 @@ def test_bad_field_values_are_400_naming_the_field(server, path, raw, param):
     if param is None or param == "min_tokens":        # min_tokens > max_tokens: found late, param null
         return
     named = {param, "stream_options"}                 # include_usage is named as such
-    if err["code"] == "context_length_exceeded":
-        named.add("max_tokens")                       # max_completion_tokens too large: named max_tokens
+    if err["code"] == "context_length_exceeded":      # the length asked for, or the prompt that fills it
+        named |= {"max_tokens", "prompt", "messages"}  # (max_completion_tokens is named max_tokens)
     assert (err["param"] is not None
             and err["param"].split(".")[0].split("[")[0] in named | {"include_usage"}), err
 

@@ -348,9 +348,18 @@ def test_check_model():
 
 def test_check_context_names_the_limit():
     check_context(2032, 16, 2048)                              # exactly full is fine
-    e = raises(lambda: check_context(2100, 16, 2048), 400, "context_length_exceeded")
+    e = raises(lambda: check_context(2040, 16, 2048), 400, "context_length_exceeded", param="max_tokens")
     assert e.message.startswith("This model's maximum context length is 2048 tokens; the prompt has "
-                                "2100 tokens and max_tokens asks for 16 more (2116 in total).")
+                                "2040 tokens and max_tokens asks for 16 more (2056 in total).")
+
+
+@pytest.mark.parametrize("prompt_param", ["prompt", "messages"])
+def test_a_prompt_that_alone_fills_the_context_is_named_not_max_tokens(prompt_param):
+    """No max_tokens could make it fit: the field to change is the prompt (or the chat)."""
+    for check in (lambda: check_context(2048, 1, 2048, prompt_param),
+                  lambda: default_max_tokens(2100, 2048, prompt_param=prompt_param)):
+        e = raises(check, 400, "context_length_exceeded", param=prompt_param)
+        assert "2048 tokens" in e.message and "no room for any output token" in e.message
 
 
 def test_default_max_tokens():

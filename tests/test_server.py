@@ -124,9 +124,17 @@ def test_400_prompt_longer_than_the_context_names_the_limit(server):
     err = assert_openai_error(post(server, {"prompt": prompt, "max_tokens": 8}), 400,
                               "context_length_exceeded")
     assert str(MAX_LEN) in err["message"] and "tokens" in err["message"], err
+    assert err["param"] == "prompt", err                      # no max_tokens could make it fit
     # without max_tokens too (the default must fit what is left of the context)
     err = assert_openai_error(post(server, {"prompt": prompt}), 400, "context_length_exceeded")
-    assert str(MAX_LEN) in err["message"]
+    assert str(MAX_LEN) in err["message"] and err["param"] == "prompt", err
+    # a short prompt asking for more than is left: then max_tokens is the field to change
+    err = assert_openai_error(post(server, {"prompt": "hi", "max_tokens": MAX_LEN}), 400,
+                              "context_length_exceeded")
+    assert err["param"] == "max_tokens", err
+    chat = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 8}
+    err = assert_openai_error(post(server, chat, path="/v1/chat/completions"), 400, "context_length_exceeded")
+    assert err["param"] == "messages", err
 
 
 def test_404_unknown_model_and_route(server):

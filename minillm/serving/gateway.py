@@ -177,11 +177,13 @@ class Gateway:
         what a whole minute's quota leaves after the prompt, so a request that did not ask for a
         length is never refused for a default it did not choose (a ``min_tokens`` it did ask for
         raises the cap to it, within the context)."""
+        prompt_param = "messages" if request.chat else "prompt"
         if request.max_tokens is not None:
-            check_context(prompt_tokens, request.max_tokens, self.max_model_len)
+            check_context(prompt_tokens, request.max_tokens, self.max_model_len, prompt_param)
             return request.max_tokens
         wanted = int(request.extra_sampling.get("min_tokens") or 0)
-        n = default_max_tokens(prompt_tokens, self.max_model_len, max(self.max_tokens_cap, wanted))
+        n = default_max_tokens(prompt_tokens, self.max_model_len, max(self.max_tokens_cap, wanted),
+                               prompt_param)
         if self.limiter is not None and self.limiter.tokens_per_min is not None:
             n = max(1, min(n, int(self.limiter.tokens_per_min) - prompt_tokens))
         if wanted > n:

@@ -343,10 +343,14 @@ def check_model(name: str | None, served: list[str]) -> str:
     return name
 
 
-def check_context(prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+def check_context(prompt_tokens: int, max_tokens: int, max_model_len: int,
+                  prompt_param: str = "prompt") -> None:
     """Raise 400 ``context_length_exceeded`` if prompt + output would not fit the KV cache
     positions the model has. Checked here, before queueing, because finding out after a long
-    prefill would waste the prefill and the client's time."""
+    prefill would waste the prefill and the client's time. The error names the field to change:
+    the prompt (``prompt_param``: 'prompt', or 'messages' for a chat) when it alone leaves no room
+    for one output token, else max_tokens."""
+    check_prompt_fits(prompt_tokens, max_model_len, prompt_param)
     total = prompt_tokens + max_tokens
     if total > max_model_len:
         raise GatewayError(
@@ -356,16 +360,23 @@ def check_context(prompt_tokens: int, max_tokens: int, max_model_len: int) -> No
             f"Reduce the prompt or max_tokens.", param="max_tokens")
 
 
-def default_max_tokens(prompt_tokens: int, max_model_len: int, cap: int = 256) -> int:
+def check_prompt_fits(prompt_tokens: int, max_model_len: int, prompt_param: str = "prompt") -> None:
+    """Raise 400 ``context_length_exceeded``, naming the prompt, if it leaves no room for one
+    output token: no max_tokens could make that request fit."""
+    if prompt_tokens >= max_model_len:
+        raise GatewayError(
+            400, "context_length_exceeded",
+            f"This model's maximum context length is {max_model_len} tokens; the prompt has "
+            f"{prompt_tokens} tokens, which leaves no room for any output token. Reduce the prompt.",
+            param=prompt_param)
+
+
+def default_max_tokens(prompt_tokens: int, max_model_len: int, cap: int = 256,
+                       prompt_param: str = "prompt") -> int:
     """``max_tokens`` for a request that did not set it: what is left of the context, at most ``cap``.
 
     (The OpenAI completions API defaults to 16; vLLM to "the rest of the context". A cap keeps
     one forgetful client from holding a batch slot for thousands of steps.)
     """
-    room = max_model_len - prompt_tokens
-    if room < 1:
-        raise GatewayError(
-            400, "context_length_exceeded",
-            f"This model's maximum context length is {max_model_len} tokens; the prompt has "
-            f"{prompt_tokens} tokens, which leaves no room for any output token. Reduce the prompt.")
-    return min(cap, room)
+    check_prompt_fits(prompt_tokens, max_model_len, prompt_param)
+    return min(cap, max_model_len - prompt_tokens)
