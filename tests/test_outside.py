@@ -298,3 +298,22 @@ def test_figures_are_saved_with_their_data(tmp_path, tiny):
     assert all(p.exists() for p in paths)
     d = json.loads((tmp_path / "data" / "10-5-sampling-cost.json").read_text())
     assert d["step_ms"] == {"tiny B=1": 1.0} and not math.isnan(d["sampling"]["rows"][0]["ms_median"])
+
+
+def test_the_projects_own_kernels_count_as_compute_on_a_cpu():
+    """The engine runs its decode matmuls and attention as `minillm::` operators where they are
+    faster: their time is the step's compute, and their calls are operators called from Python."""
+    from types import SimpleNamespace as Ev
+
+    from minillm.experiments.outside_profile import analyse_events
+    linear = Ev(name="minillm::tiled_linear", self_cpu_time_total=900.0, cpu_parent=None)
+    events = [linear,
+              Ev(name="aten::empty", self_cpu_time_total=50.0, cpu_parent=linear),    # inside it: not a call
+              Ev(name="minillm::decode_attention", self_cpu_time_total=60.0, cpu_parent=None),
+              Ev(name="aten::view", self_cpu_time_total=40.0, cpu_parent=None),
+              Ev(name="Python frame", self_cpu_time_total=500.0, cpu_parent=None)]
+    device_ms, launches, kernels, ops = analyse_events(events, n_steps=1, wall_ms=2.0, on_gpu=False)
+    assert device_ms == pytest.approx(0.96)                  # the two kernels; not the view, not Python
+    assert launches == 3 and kernels is None                 # the kernels and the view, not the inner empty
+    assert {o.name: o.counted for o in ops} == {"minillm::tiled_linear": True, "aten::empty": False,
+                                                "minillm::decode_attention": True, "aten::view": False}
