@@ -101,7 +101,7 @@ import math
 
 import torch
 
-from minillm.engine.cpp_build import VECTORS, load_with_operator
+from minillm.engine.cpp_build import VECTORS, load_with_operator, profiling
 
 SOURCE = VECTORS + r"""
 #include <cmath>
@@ -461,7 +461,8 @@ def _(q, k_flat, v_flat, slots, lens, max_len):
 
 def forward(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, slots: torch.Tensor,
             lens: torch.Tensor, max_len: int) -> torch.Tensor:
-    """The operator inside a compiled graph, the plain call in eager."""
-    if torch.compiler.is_compiling():
+    """The operator inside a compiled graph and under the profiler (``cpp_build.profiling`` says
+    why), the plain call in eager."""
+    if torch.compiler.is_compiling() or profiling():
         return torch.ops.minillm.decode_attention(q, k_flat, v_flat, slots, lens, max_len)
     return run(q, k_flat, v_flat, slots, lens, max_len)

@@ -109,6 +109,14 @@ def stable_api_available() -> bool:
     return (Path(torch.__file__).parent / "include" / "torch" / "csrc" / "stable" / "library.h").exists()
 
 
+def profiling() -> bool:
+    """``torch.profiler`` is recording. It records operators by name and never sees a ctypes call: a
+    profiled eager ``cpu-small`` step whose matmuls ran the tiled kernel through ctypes read 6 % busy,
+    its matmuls' time counted as nobody's (chapter 10.5's device busy). So while it records, the
+    project's kernels are called as their operators: the same work, under their names."""
+    return bool(getattr(torch.autograd.profiler, "_is_profiler_enabled", False))
+
+
 def load_with_operator(source: str, registration: str, what: str, ops: torch.library.Library, name: str,
                        python_impl: Callable) -> ctypes.CDLL | None:
     """``source`` built with ``registration`` (C++ that registers operator ``name``'s CPU kernel), or,
