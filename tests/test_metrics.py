@@ -338,6 +338,12 @@ def test_ttft_ends_at_the_first_non_empty_token():
     m = request_metrics(tr)
     assert m.ttft_s == pytest.approx(0.020, abs=1e-12)
     assert m.output_tokens == 3 and m.e2e_s == pytest.approx(0.030, abs=1e-12)
+    # the stages still add up to TTFT: the step that completed the character is the first token's
+    assert sum(m.breakdown.values()) == pytest.approx(m.ttft_s, abs=1e-12)
+    assert m.breakdown["first_token"] == pytest.approx(0.010, abs=1e-12)
+    assert m.breakdown["prefill"] == pytest.approx(0.008, abs=1e-12)
+    # TPOT keeps vLLM's definition, (E2E − TTFT) ÷ (N − 1): below the mean gap (10 ms) for such a request
+    assert m.tpot_s == pytest.approx(0.005, abs=1e-12) and sum(m.itl_s) / len(m.itl_s) == pytest.approx(0.010)
 
 
 def test_body_read_is_its_own_ttft_stage():
@@ -350,3 +356,13 @@ def test_body_read_is_its_own_ttft_stage():
     bd = request_metrics(tr).breakdown
     assert bd["body"] == pytest.approx(0.004, abs=1e-12) and bd["gateway"] == pytest.approx(0.0002, abs=1e-12)
     assert sum(bd.values()) == pytest.approx(request_metrics(tr).ttft_s, abs=1e-12)
+
+
+def test_explain_ttft_names_every_stage_it_can_find_largest():
+    """A request whose body took longest (a slow client's upload) is explained, not a KeyError."""
+    tr = make_trace("slow-body", [("received", 0), ("authenticated", 0.1), ("body_read", 40),
+                                  ("tokenized", 41, {"n_tokens": 7}), ("enqueued", 41.5), ("scheduled", 42),
+                                  ("prefill_start", 42), ("prefill_end", 45), ("token", 46, {"index": 0}),
+                                  ("finished", 46, {"reason": "stop"})])
+    text = explain_ttft([request_metrics(tr)], 50)
+    assert "reading the request body" in text and "slow-body" in text

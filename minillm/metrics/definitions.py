@@ -113,13 +113,17 @@ def ttft_breakdown(trace: Trace) -> dict[str, float]:
     the whole scheduled → first-token gap is ``prefill``. The last gap (→ first token) is
     ``first_token`` (sampling, host copy) after ``prefill_end``. If the engine stamps
     ``prefill_end`` without synchronising the device, the device wait lands in
-    ``first_token`` instead of ``prefill`` (design.md §1). Empty dict if no token was produced.
+    ``first_token`` instead of ``prefill`` (design.md §1). TTFT ends at the first token that
+    carries text (:func:`_first_text_token_ns`): when the first token is half a UTF-8 character,
+    the decode steps until one completes it go to ``first_token`` too, so the stages still add
+    up to TTFT. Empty dict if no token was produced.
     """
     events = list(trace)
     i_first = next((i for i, e in enumerate(events) if e.event == "token"), None)
     if i_first is None:
         return {}
     t_first = events[i_first].t_ns
+    t_text = _first_text_token_ns(trace, [e.t_ns for e in events if e.event == "token"])
     t0 = _start_ns(trace)
     out = {stage: 0 for stage in STAGES}
     milestones = sorted((e for e in events[:i_first] if e.event in STAGE_OF_EVENT),
@@ -130,6 +134,7 @@ def ttft_breakdown(trace: Trace) -> dict[str, float]:
         out[STAGE_OF_EVENT[e.event]] += t - t_prev
         t_prev, last = t, e.event
     out["first_token" if last in _PREFILL_DONE else "prefill"] += t_first - t_prev
+    out["first_token"] += max(t_text - t_first, 0)     # until a token carries text (TTFT's end)
     return {stage: ns_to_s(ns) for stage, ns in out.items()}
 
 

@@ -30,7 +30,8 @@ STAGE_HINT = {
     "gateway": "the server's front end before the engine: auth, rate limits, admission (10.1)",
     "body": "receiving and parsing the request body (10.1, 10.5)",
     "tokenize": "tokenizing the prompt on the host (10.5)",
-    "first_token": "sampling the first token and copying it to the host after the prefill (10.5)",
+    "first_token": "sampling the first token and copying it to the host after the prefill, and decoding "
+                   "on until a token carries text (10.5)",
 }
 
 

@@ -343,6 +343,6 @@ def percentile_table(metrics: Sequence[RequestMetrics], which: Sequence[str],
     return out
 
 
-_STAGE_PHRASE = {"gateway": "in the gateway", "tokenize": "tokenizing the prompt",
-                 "queue": "in the queue", "prefill": "in prefill",
-                 "first_token": "sampling the first token"}
+_STAGE_PHRASE = {"gateway": "in the gateway", "body": "reading the request body",
+                 "tokenize": "tokenizing the prompt", "queue": "in the queue", "prefill": "in prefill",
+                 "first_token": "sampling the first token (and decoding until a token carries text)"}
